@@ -1,0 +1,1 @@
+"""pytest plugin: fixtures for the real local stack (filled in by the foundation work)."""

@@ -1,0 +1,1 @@
+"""Pending approvals, approver authorization, expiry."""

@@ -1,0 +1,1 @@
+"""The run ledger and sequencer: caps, grants, loop detection, termination reports."""

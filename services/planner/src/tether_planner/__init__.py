@@ -1,0 +1,1 @@
+"""Model calls: provider adapters, working context, compaction. Never executes tools."""

@@ -1,0 +1,1 @@
+"""Read model: PostgreSQL tables, Redis hot state and live run streams."""

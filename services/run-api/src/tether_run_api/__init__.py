@@ -1,0 +1,1 @@
+"""gRPC front door: authentication, tenant identity, admission, queries."""

@@ -1,0 +1,1 @@
+"""Tool authorization and execution: policy, schema validation, idempotency ledger, sandbox, secrets."""
