@@ -1,0 +1,146 @@
+"""The port between a service's handlers and the exactly-once loop that drives them.
+
+A service implements `Processor`; `tether_messaging.loop` (Kafka, transactional) and
+`tether_messaging.testing` (in memory, for unit tests) both drive it through `Context`.
+Everything a handler does goes through the context, so the loop can commit it atomically:
+emitted records, per-run state checkpoints, and the input offsets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from pydantic import BaseModel
+
+from tether_contracts.base import AvroRecord
+from tether_contracts.records import Envelope
+
+S = TypeVar("S", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """One decoded input record and where it came from."""
+
+    topic: str
+    partition: int
+    offset: int
+    envelope: Envelope
+    payload: AvroRecord
+
+
+@dataclass(frozen=True)
+class WorkDone:
+    """The outcome of slow work started with `Context.start_work`, delivered back to the loop.
+
+    Exactly one of `result` / `error` is set. `key` is the key the work was started with.
+    """
+
+    key: str
+    run_id: str
+    tenant_id: str
+    partition: int
+    result: Any = None
+    error: BaseException | None = None
+
+
+class Context(Protocol):
+    """What a handler may do. All of it is committed in one transaction, or none of it."""
+
+    @property
+    def now_ms(self) -> int:
+        """The loop's clock for this batch, to be *recorded* in events (decisions use recorded values)."""
+        ...
+
+    @property
+    def partition(self) -> int:
+        """Partition of the record (or finished work) being handled; outputs go to the same partition."""
+        ...
+
+    def emit(
+        self,
+        topic: str,
+        payload: AvroRecord,
+        *,
+        run_id: str,
+        tenant_id: str,
+        event_id: str,
+        causation_id: str | None = None,
+    ) -> Envelope:
+        """Produce `payload` wrapped in a fresh (unsequenced) envelope to `topic`, same partition."""
+        ...
+
+    def emit_envelope(self, topic: str, envelope: Envelope) -> None:
+        """Produce a ready-made envelope (the sequencer uses this for sealed log events)."""
+        ...
+
+    def get_state(self, run_id: str) -> Any | None:
+        """The run's state as last put (or restored from the changelog), or None."""
+        ...
+
+    def put_state(self, run_id: str, state: Any | None) -> None:
+        """Replace the run's state; None deletes it (tombstone). Checkpointed with the outputs."""
+        ...
+
+    def start_work(self, key: str, run_id: str, tenant_id: str, fn: Callable[[], Any]) -> None:
+        """Run `fn` off the loop thread (model call, tool execution). Idempotent on `key`:
+        starting a key that is already running is ignored. The input being handled is not
+        committed past until the work is done and `Processor.on_work_done` has handled it."""
+        ...
+
+
+class StateCodec(Protocol, Generic[S]):
+    """How a service's per-run state is written to and read from its changelog topic."""
+
+    def encode(self, state: S) -> bytes: ...
+
+    def decode(self, data: bytes) -> S: ...
+
+
+class PydanticStateCodec(Generic[S]):
+    """Changelog codec for a pydantic state model (JSON; the changelog is private to its service)."""
+
+    def __init__(self, model: type[S]) -> None:
+        self.model = model
+
+    def encode(self, state: S) -> bytes:
+        return state.model_dump_json().encode()
+
+    def decode(self, data: bytes) -> S:
+        return self.model.model_validate_json(data)
+
+
+class Processor(Protocol):
+    """A service's stream processor."""
+
+    #: Service name: consumer group id, transactional id prefix, changelog topic name.
+    name: str
+    #: Topics consumed.
+    inputs: Sequence[str]
+    #: Codec for per-run state, or None if the service keeps no per-run state.
+    state_codec: StateCodec[Any] | None
+
+    def handle(self, msg: Inbound, ctx: Context) -> None:
+        """Handle one input record. Raise `tether_messaging.errors.Unprocessable` for a record
+        that can never be handled (it goes to the dead-letter topic with the reason)."""
+        ...
+
+    def on_work_done(self, done: WorkDone, ctx: Context) -> None:
+        """Handle the outcome of work started with `Context.start_work`."""
+        ...
+
+    def on_tick(self, ctx: "TickContext") -> None:
+        """Called periodically (about once a second) for timers such as approval expiry."""
+        ...
+
+
+class TickContext(Context, Protocol):
+    """Context for `on_tick`: the partitions this instance owns and the runs with state in them."""
+
+    def owned_partitions(self) -> Sequence[int]: ...
+
+    def runs_with_state(self, partition: int) -> Sequence[str]: ...
+
+    def for_partition(self, partition: int) -> Context: ...
