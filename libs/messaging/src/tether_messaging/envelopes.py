@@ -1,0 +1,56 @@
+"""Building envelopes and Kafka headers around payload records."""
+
+from __future__ import annotations
+
+import hashlib
+
+from tether_contracts.base import AvroRecord
+from tether_contracts.records import Envelope
+from tether_contracts.schemas import schema_set
+from tether_messaging.serde import encode
+
+
+def make_envelope(
+    payload: AvroRecord,
+    *,
+    run_id: str,
+    tenant_id: str,
+    event_id: str,
+    producer: str,
+    recorded_at_ms: int,
+    causation_id: str | None = None,
+    traceparent: str | None = None,
+) -> Envelope:
+    """Wrap a command or event in an unsequenced envelope."""
+    return Envelope(
+        event_id=event_id,
+        tenant_id=tenant_id,
+        run_id=run_id,
+        event_type=payload.AVRO_NAME,
+        schema_fingerprint=schema_set().fingerprint_of(payload.AVRO_NAME).hex(),
+        payload=encode(payload),
+        recorded_at_ms=recorded_at_ms,
+        producer=producer,
+        causation_id=causation_id,
+        traceparent=traceparent,
+    )
+
+
+def headers_for(envelope: Envelope) -> list[tuple[str, bytes]]:
+    """Kafka headers that let consumers route and filter without decoding the value."""
+    headers = [
+        ("tether-tenant", envelope.tenant_id.encode()),
+        ("tether-run", envelope.run_id.encode()),
+        ("tether-event-id", envelope.event_id.encode()),
+        ("tether-event-type", envelope.event_type.encode()),
+        ("tether-schema-fingerprint", envelope.schema_fingerprint.encode()),
+    ]
+    if envelope.traceparent:
+        headers.append(("traceparent", envelope.traceparent.encode()))
+    return headers
+
+
+def derived_id(*parts: object) -> str:
+    """A deterministic event id from its causes, so a replayed emission has the same id."""
+    h = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).hexdigest()
+    return h[:32]
