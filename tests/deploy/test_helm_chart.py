@@ -1,0 +1,74 @@
+"""The helm chart renders offline, lints clean and validates against Kubernetes schemas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+import helm_python as helm
+import kubernetes_validate
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tether"
+KUBE_VERSION = "1.33.0"
+
+
+def _render(values: dict | None = None) -> list[dict]:
+    chart = helm.Chart.load(CHART)
+    manifests = chart.render(values or {}, name="tether", namespace="agents")
+    docs = []
+    for text in manifests.values():
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def _validate(doc: dict) -> None:
+    if doc["apiVersion"].startswith("keda.sh/"):
+        return  # a CRD: kubernetes-validate has no schema for it
+    kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+def test_lint_is_clean():
+    report = helm.lint(CHART, strict=True)
+    assert report["errors"] == [], report
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+def test_every_service_has_a_workload_and_all_validate():
+    docs = _render()
+    for doc in docs:
+        _validate(doc)
+    workloads = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    assert set(workloads) == {
+        f"tether-{s}" for s in ("run-api", "budget", "planner", "tool-gateway", "approval", "projector")
+    }
+    # exactly-once processors get stable pod names (transactional.id slots)
+    for s in ("budget", "planner", "tool-gateway", "approval"):
+        assert workloads[f"tether-{s}"]["kind"] == "StatefulSet"
+
+
+def test_scaling_a_consumer_group_is_a_values_change():
+    docs = _render({"services": {"planner": {"replicas": 7}}})
+    planner = next(d for d in docs if d["metadata"]["name"] == "tether-planner" and d["kind"] == "StatefulSet")
+    assert planner["spec"]["replicas"] == 7
+
+
+def test_autoscaling_never_exceeds_partitions():
+    docs = _render({"autoscaling": {"enabled": True, "maxReplicas": 100}, "kafka": {"partitions": 12}})
+    scaled = [d for d in docs if d["kind"] == "ScaledObject"]
+    assert scaled and all(d["spec"]["maxReplicaCount"] == 12 for d in scaled)
+
+
+def test_no_secret_values_in_rendered_manifests():
+    docs = _render({"llm": {"apiKeySecret": "llm-keys"}})
+    planner = next(d for d in docs if d["metadata"]["name"] == "tether-planner" and d["kind"] == "StatefulSet")
+    container = planner["spec"]["template"]["spec"]["containers"][0]
+    assert container["envFrom"] == [{"secretRef": {"name": "llm-keys"}}]
+    dsn = next(e for e in container["env"] if e["name"] == "TETHER_PG_DSN")
+    assert "valueFrom" in dsn and "value" not in dsn
+
+
+def test_invalid_values_are_rejected():
+    with pytest.raises(Exception, match="replicas"):
+        _render({"services": {"planner": {"replicas": "three"}}})
