@@ -1,0 +1,98 @@
+"""Declaring Tether's topics on the broker: idempotent creation with configs, partition-count check."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import structlog
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from tether_messaging.topics import Topics, TopicSpec
+
+log = structlog.get_logger("tether_messaging.admin")
+
+
+class PartitionCountMismatch(Exception):
+    """An existing topic has a different partition count than the deployment expects.
+
+    Every topic must have the same count so a run's partition index is the same everywhere;
+    Tether never repartitions a topic by itself (it would move runs between partitions).
+    """
+
+    def __init__(self, topic: str, expected: int, actual: int) -> None:
+        super().__init__(
+            f"topic {topic!r} has {actual} partitions but TETHER_PARTITIONS={expected}; "
+            "use the topic's count or migrate the topics (see docs/architecture.md)"
+        )
+        self.topic = topic
+        self.expected = expected
+        self.actual = actual
+
+
+class TopicDeclarationFailed(Exception):
+    """The broker refused to create a topic."""
+
+
+def declare_topics(
+    bootstrap: str,
+    partitions: int,
+    services: Iterable[str],
+    *,
+    prefix: str = "",
+    replication_factor: int = 1,
+    timeout_s: float = 30.0,
+) -> list[str]:
+    """Create every Tether topic (shared topics + one changelog per service) if missing.
+
+    Idempotent: existing topics are checked, not changed. Raises `PartitionCountMismatch`
+    if an existing topic's partition count differs. Returns the names created now.
+    """
+    return declare_specs(
+        bootstrap,
+        partitions,
+        Topics(prefix).specs(services),
+        replication_factor=replication_factor,
+        timeout_s=timeout_s,
+    )
+
+
+def declare_specs(
+    bootstrap: str,
+    partitions: int,
+    specs: Iterable[TopicSpec],
+    *,
+    replication_factor: int = 1,
+    timeout_s: float = 30.0,
+) -> list[str]:
+    """Create the given topics if missing and verify all of them have `partitions` partitions."""
+    specs = list(specs)
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    # A write needs all replicas but one on a multi-broker cluster; a single node has only one.
+    min_isr = str(max(1, min(2, replication_factor - 1)))
+    new = [
+        NewTopic(
+            s.name,
+            num_partitions=partitions,
+            replication_factor=replication_factor,
+            config={"min.insync.replicas": min_isr, **s.config},
+        )
+        for s in specs
+    ]
+    created: list[str] = []
+    for name, fut in admin.create_topics(new, request_timeout=timeout_s).items():
+        try:
+            fut.result(timeout=timeout_s)
+            created.append(name)
+            log.info("topic_created", topic=name, partitions=partitions)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise TopicDeclarationFailed(f"creating {name!r}: {exc.args[0].str()}") from exc
+    md = admin.list_topics(timeout=timeout_s)
+    for s in specs:
+        topic = md.topics.get(s.name)
+        if topic is None or topic.error is not None:
+            raise TopicDeclarationFailed(f"topic {s.name!r} is not visible after declaration: {topic and topic.error}")
+        if len(topic.partitions) != partitions:
+            raise PartitionCountMismatch(s.name, partitions, len(topic.partitions))
+    return created

@@ -1,0 +1,942 @@
+"""The one consume → handle → produce loop: outputs, state checkpoints and input offsets in one Kafka transaction.
+
+How a batch runs (docs/architecture.md, "The exactly-once loop"):
+
+1. wait for input, finished work or a due tick; then take whatever else is already fetched,
+   up to `batch_max_messages` records or `batch_max_ms`;
+2. begin a transaction; deliver finished work (`Processor.on_work_done`), then each record
+   (decode → `Processor.handle`; undecodable records and `Unprocessable` go to the
+   dead-letter topic), then `on_tick` when due;
+3. produce the changed per-run states to the service's changelog, send the input offsets,
+   commit. Work a handler started is submitted to the worker pool only after the commit,
+   so no side effect ever follows an aborted decision.
+
+Replay contract for handlers. The committed offset of a partition never passes its oldest
+input whose work is unfinished (work holds the input). After a crash or rebalance the new
+owner restores the states from the changelog, then re-delivers ONLY the held inputs: the
+loop checkpoints, with the states, which inputs above the committed offset were already
+handled, and skips those. A held input is re-delivered with the state its first handling
+left, so its handler must recognise "work started, not finished" and start it again (same
+key). Work started from `on_tick` holds no input: after a failover, the next tick re-derives
+it from the state.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import structlog
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from prometheus_client import Counter, Gauge, Histogram
+
+from tether_contracts.base import AvroRecord
+from tether_contracts.records import Envelope
+from tether_messaging.envelopes import headers_for, make_envelope
+from tether_messaging.errors import Unprocessable
+from tether_messaging.processor import Inbound, Processor, WorkDone
+from tether_messaging.serde import SerdeError, decode_envelope, encode, open_payload
+from tether_messaging.topics import Topics
+from tether_runtime.settings import ServiceSettings
+
+log = structlog.get_logger("tether_messaging.loop")
+
+#: Changelog key of the loop's own per-partition checkpoint (which inputs above the
+#: committed offset were handled). Run ids never take this form.
+LOOP_META_KEY = b"__tether.loop__"
+
+#: Dead-letter headers (the original record's headers, key and value are kept as they were).
+DLQ_REASON = "tether-dlq-reason"
+DLQ_DETAIL = "tether-dlq-detail"
+DLQ_SERVICE = "tether-dlq-service"
+DLQ_TOPIC = "tether-dlq-topic"
+DLQ_PARTITION = "tether-dlq-partition"
+DLQ_OFFSET = "tether-dlq-offset"
+DLQ_WORK_KEY = "tether-dlq-work-key"
+
+_MISSING = object()
+
+# -- metrics -------------------------------------------------------------------------------
+RECORDS = Counter("tether_loop_records_total", "Input records by outcome.", ["service", "topic", "outcome"])
+BATCHES = Counter("tether_loop_batches_total", "Loop batches by outcome.", ["service", "outcome"])
+COMMIT_SECONDS = Histogram(
+    "tether_loop_commit_seconds",
+    "Latency of send_offsets + commit of a batch transaction.",
+    ["service"],
+    buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+)
+DEAD_LETTERS = Counter("tether_loop_dead_letters_total", "Records sent to the dead-letter topic.", ["service", "reason"])
+WORK_IN_FLIGHT = Gauge("tether_loop_work_in_flight", "Work started and not yet delivered back.", ["service"])
+WORK_DONE = Counter("tether_loop_work_done_total", "Work delivered back to the processor.", ["service", "outcome"])
+LAG = Gauge("tether_loop_lag_records", "High watermark minus the loop's position.", ["service", "topic", "partition"])
+RESTORE_SECONDS = Histogram("tether_loop_restore_seconds", "Time to restore states on assignment.", ["service"])
+
+
+# -- errors --------------------------------------------------------------------------------
+class FatalLoopError(Exception):
+    """The loop cannot continue (producer fenced by a newer instance, fatal client error);
+    the process must exit non-zero so its supervisor restarts it."""
+
+
+class RestoreTimeout(FatalLoopError):
+    """A changelog partition could not be read to its end in time."""
+
+
+class ContextMisuse(Exception):
+    """A handler used a context in a way the loop cannot honour (e.g. emitting from the
+    tick context without choosing a partition)."""
+
+
+class _AbortBatch(Exception):
+    """The open transaction must be aborted and the batch replayed."""
+
+
+# -- configuration -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoopConfig:
+    """Everything the loop needs besides the processor; build it with `from_settings`."""
+
+    bootstrap: str
+    topics: Topics = field(default_factory=Topics)
+    instance_id: int = 0
+    batch_max_ms: int = 100
+    batch_max_messages: int = 500
+    work_threads: int = 8
+    tick_interval_ms: int = 1000
+    session_timeout_ms: int = 10_000
+    #: A producer that dies mid-transaction blocks read_committed readers of its partitions
+    #: until this expires (unless its slot restarts first), so keep it short; batches last ms.
+    transaction_timeout_ms: int = 10_000
+    restore_timeout_s: float = 120.0
+    #: False = at-least-once: outputs flushed, then offsets committed (for idempotent consumers).
+    transactional: bool = True
+    #: What an unexpected exception in a handler does: dead-letter the record and carry on
+    #: (one run suffers, the partition's other runs keep moving), or fail the process.
+    handler_errors: Literal["dead-letter", "fail"] = "dead-letter"
+    consumer_overrides: Mapping[str, Any] = field(default_factory=dict)
+    producer_overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls, settings: ServiceSettings, **overrides: Any) -> LoopConfig:
+        """The loop configuration a service's settings describe."""
+        values: dict[str, Any] = dict(
+            bootstrap=settings.kafka_bootstrap,
+            topics=Topics(settings.topic_prefix),
+            instance_id=settings.instance_id,
+            batch_max_ms=settings.batch_max_ms,
+            batch_max_messages=settings.batch_max_messages,
+            work_threads=settings.work_threads,
+            session_timeout_ms=settings.session_timeout_ms,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+# -- bookkeeping ---------------------------------------------------------------------------
+TP = tuple[str, int]
+
+
+@dataclass
+class _Work:
+    key: str
+    run_id: str
+    tenant_id: str
+    partition: int
+    epoch: int
+    origin: TP | None
+    origin_offset: int | None
+    fn: Callable[[], Any]
+
+
+@dataclass
+class _Finished:
+    key: str
+    epoch: int
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class _Unit:
+    """What one handler call did, applied only if the handler returns normally."""
+
+    outputs: list[tuple[str, int, bytes, bytes, list[tuple[str, bytes]]]] = field(default_factory=list)
+    states: dict[tuple[int, str], Any] = field(default_factory=dict)
+    starts: list[_Work] = field(default_factory=list)
+
+
+@dataclass
+class _Batch:
+    now_ms: int
+    undo: dict[tuple[int, str], Any] = field(default_factory=dict)
+    dirty: set[tuple[int, str]] = field(default_factory=set)
+    starts: list[_Work] = field(default_factory=list)
+    delivered: list[_Finished] = field(default_factory=list)
+    first_offsets: dict[TP, int] = field(default_factory=dict)
+    touched: set[int] = field(default_factory=set)
+    produced: int = 0
+    handled: int = 0
+
+
+# -- contexts handed to the processor --------------------------------------------------------
+class _Ctx:
+    def __init__(self, loop: ProcessorLoop, batch: _Batch, unit: _Unit, partition: int, origin: TP | None, origin_offset: int | None) -> None:
+        self._loop = loop
+        self._batch = batch
+        self._unit = unit
+        self._partition = partition
+        self._origin = origin
+        self._origin_offset = origin_offset
+
+    @property
+    def now_ms(self) -> int:
+        return self._batch.now_ms
+
+    @property
+    def partition(self) -> int:
+        return self._partition
+
+    def emit(
+        self,
+        topic: str,
+        payload: AvroRecord,
+        *,
+        run_id: str,
+        tenant_id: str,
+        event_id: str,
+        causation_id: str | None = None,
+    ) -> Envelope:
+        env = make_envelope(
+            payload,
+            run_id=run_id,
+            tenant_id=tenant_id,
+            event_id=event_id,
+            producer=self._loop.processor.name,
+            recorded_at_ms=self._batch.now_ms,
+            causation_id=causation_id,
+        )
+        self.emit_envelope(topic, env)
+        return env
+
+    def emit_envelope(self, topic: str, envelope: Envelope) -> None:
+        self._unit.outputs.append(
+            (topic, self._partition, envelope.run_id.encode(), encode(envelope), headers_for(envelope))
+        )
+
+    def get_state(self, run_id: str) -> Any | None:
+        key = (self._partition, run_id)
+        if key in self._unit.states:
+            return self._unit.states[key]
+        return self._loop._states.get(self._partition, {}).get(run_id)
+
+    def put_state(self, run_id: str, state: Any | None) -> None:
+        self._unit.states[(self._partition, run_id)] = state
+
+    def start_work(self, key: str, run_id: str, tenant_id: str, fn: Callable[[], Any]) -> None:
+        if key in self._loop._work or any(w.key == key for w in self._unit.starts):
+            return
+        self._unit.starts.append(
+            _Work(key, run_id, tenant_id, self._partition, self._loop._epoch.get(self._partition, 0),
+                  self._origin, self._origin_offset, fn)
+        )
+
+
+class _TickCtx(_Ctx):
+    def __init__(self, loop: ProcessorLoop, batch: _Batch, unit: _Unit) -> None:
+        super().__init__(loop, batch, unit, -1, None, None)
+
+    @property
+    def partition(self) -> int:
+        raise ContextMisuse("the tick context owns no partition; use for_partition(p)")
+
+    def emit_envelope(self, topic: str, envelope: Envelope) -> None:
+        raise ContextMisuse("emit from the tick context via for_partition(p)")
+
+    def get_state(self, run_id: str) -> Any | None:
+        raise ContextMisuse("read state from the tick context via for_partition(p)")
+
+    def put_state(self, run_id: str, state: Any | None) -> None:
+        raise ContextMisuse("write state from the tick context via for_partition(p)")
+
+    def start_work(self, key: str, run_id: str, tenant_id: str, fn: Callable[[], Any]) -> None:
+        raise ContextMisuse("start work from the tick context via for_partition(p)")
+
+    def owned_partitions(self) -> Sequence[int]:
+        return sorted(self._loop._owned)
+
+    def runs_with_state(self, partition: int) -> Sequence[str]:
+        runs = dict.fromkeys(self._loop._states.get(partition, {}))
+        for (p, run_id), state in self._unit.states.items():
+            if p == partition:
+                if state is None:
+                    runs.pop(run_id, None)
+                else:
+                    runs[run_id] = None
+        return list(runs)
+
+    def for_partition(self, partition: int) -> _Ctx:
+        if partition not in self._loop._owned:
+            raise ContextMisuse(f"partition {partition} is not owned by this instance")
+        return _Ctx(self._loop, self._batch, self._unit, partition, None, None)
+
+
+# -- the loop ------------------------------------------------------------------------------
+class ProcessorLoop:
+    """Drives one `Processor` against Kafka with exactly-once (or at-least-once) semantics.
+
+    Use: ``ProcessorLoop(processor, config).run(stop_event)``. `run` returns after `stop`
+    is set (the current batch is committed and the consumer leaves its group) and raises
+    `FatalLoopError` when the process must restart. `ready` turns true once the first
+    partition assignment has been restored.
+    """
+
+    def __init__(self, processor: Processor, config: LoopConfig, *, clock_ms: Callable[[], int] | None = None) -> None:
+        self.processor = processor
+        self.config = config
+        self._clock_ms = clock_ms or (lambda: int(time.time() * 1000))
+        self._name = processor.name
+        self._group = config.topics.group_id(processor.name)
+        self._changelog = config.topics.changelog(processor.name)
+        self._dead_letters = config.topics.dead_letters
+        self._txn = config.transactional
+        self._log = log.bind(processor=processor.name, instance=config.instance_id)
+        self._ready = threading.Event()
+        self._fatal: KafkaError | None = None
+
+        # Per partition index (the same index on every input topic: range assignment
+        # keeps them together). States are the committed view plus this batch's changes.
+        self._owned: dict[int, set[str]] = {}
+        self._epoch: dict[int, int] = {}
+        self._states: dict[int, dict[str, Any]] = {}
+        self._meta_has_holds: dict[int, bool] = {}
+        # Per (topic, partition).
+        self._next: dict[TP, int] = {}
+        self._holds: dict[TP, dict[int, int]] = {}
+        self._committed: dict[TP, int] = {}
+        self._skip: dict[TP, tuple[int, frozenset[int]]] = {}
+
+        self._work: dict[str, _Work] = {}
+        self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
+        self._redeliver: list[_Finished] = []
+        self._buffer: list[Message] = []
+        self._next_tick = 0.0
+
+        self._consumer: Consumer | None = None
+        self._producer: Producer | None = None
+        self._restorer: Consumer | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._delivery_errors: list[KafkaError] = []
+
+    # -- public ----------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """True once the group has been joined and the first assignment restored."""
+        return self._ready.is_set()
+
+    @property
+    def transactional_id(self) -> str:
+        return f"{self.config.topics.prefix}{self._name}-{self.config.instance_id}"
+
+    def run(self, stop: threading.Event) -> None:
+        """Process until `stop` is set. Raises `FatalLoopError` if the process must restart."""
+        cfg = self.config
+        self._pool = ThreadPoolExecutor(cfg.work_threads, thread_name_prefix=f"{self._name}-work")
+        self._producer = Producer(self._producer_config())
+        try:
+            if self._txn:
+                # Fences any earlier incarnation of this slot and aborts its open transaction,
+                # which also unblocks read_committed readers of its partitions.
+                self._call(lambda: self._producer.init_transactions(30))
+            self._restorer = Consumer(self._restorer_config())
+            self._consumer = Consumer(self._consumer_config())
+            self._consumer.subscribe(
+                list(self.processor.inputs),
+                on_assign=self._on_assign,
+                on_revoke=self._on_revoke,
+                on_lost=self._on_lost,
+            )
+            self._log.info("loop_started", group=self._group, inputs=list(self.processor.inputs),
+                           transactional_id=self.transactional_id if self._txn else None)
+            while not stop.is_set():
+                self._check_fatal()
+                self._run_batch(stop)
+            self._log.info("loop_stopping")
+        finally:
+            self._shutdown()
+
+    # -- client configs --------------------------------------------------------------------
+    def _consumer_config(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "bootstrap.servers": cfg.bootstrap,
+            "group.id": self._group,
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            # Eager "range" assignment: partition p of every input topic goes to the same
+            # member (co-partitioning: a run's records on commands and intake share one
+            # state map), and a revoke always happens with no transaction open (callbacks
+            # run only while collecting input). Cooperative-sticky would neither guarantee
+            # co-partitioning nor make the revoke/transaction interplay as simple.
+            "partition.assignment.strategy": "range",
+            "session.timeout.ms": cfg.session_timeout_ms,
+            "heartbeat.interval.ms": max(1000, cfg.session_timeout_ms // 5),
+            "error_cb": self._on_client_error,
+            **cfg.consumer_overrides,
+        }
+
+    def _producer_config(self) -> dict[str, Any]:
+        cfg = self.config
+        conf: dict[str, Any] = {
+            "bootstrap.servers": cfg.bootstrap,
+            "enable.idempotence": True,
+            # Outputs name their partition explicitly; the partitioner only matters for a
+            # record produced without one, and must then agree with Java clients.
+            "partitioner": "murmur2_random",
+            "linger.ms": 5,
+            "error_cb": self._on_client_error,
+            **cfg.producer_overrides,
+        }
+        if self._txn:
+            conf["transactional.id"] = self.transactional_id
+            conf["transaction.timeout.ms"] = cfg.transaction_timeout_ms
+        else:
+            conf["acks"] = "all"
+            conf["on_delivery"] = self._on_delivery
+        return conf
+
+    def _restorer_config(self) -> dict[str, Any]:
+        return {
+            "bootstrap.servers": self.config.bootstrap,
+            "group.id": f"{self._group}.restore",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+        }
+
+    def _on_client_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self._fatal = err
+        self._log.warning("kafka_client_error", error=err.str(), code=err.name(), fatal=err.fatal())
+
+    def _on_delivery(self, err: KafkaError | None, _msg: Message) -> None:
+        if err is not None:
+            self._delivery_errors.append(err)
+
+    def _check_fatal(self) -> None:
+        if self._fatal is not None:
+            raise FatalLoopError(f"fatal Kafka client error: {self._fatal.str()}")
+
+    # -- rebalance callbacks (run inside consumer.poll/consume, never with a txn open) -------
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        new = sorted({tp.partition for tp in partitions} - set(self._owned))
+        for tp in partitions:
+            self._owned.setdefault(tp.partition, set()).add(tp.topic)
+        if new:
+            self._restore(new)
+        self._log.info("partitions_assigned", partitions=sorted(self._owned), restored=new)
+        self._ready.set()
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._drop([tp.partition for tp in partitions], "revoked")
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._drop([tp.partition for tp in partitions], "lost")
+
+    def _drop(self, partitions: Sequence[int], why: str) -> None:
+        """Forget everything about partitions another instance now owns: it replays from
+        the committed offset with the committed states."""
+        gone = set(partitions)
+        self._buffer = [m for m in self._buffer if m.partition() not in gone]
+        self._redeliver = [f for f in self._redeliver if self._work_partition(f) not in gone]
+        for p in gone:
+            self._owned.pop(p, None)
+            self._states.pop(p, None)
+            self._meta_has_holds.pop(p, None)
+            self._epoch[p] = self._epoch.get(p, 0) + 1
+        for d in (self._next, self._holds, self._committed, self._skip):
+            for tp in [tp for tp in d if tp[1] in gone]:
+                del d[tp]
+        for key in [k for k, w in self._work.items() if w.partition in gone]:
+            del self._work[key]  # its result, when it comes, carries a stale epoch
+        WORK_IN_FLIGHT.labels(self._name).set(len(self._work))
+        self._log.info("partitions_dropped", why=why, partitions=sorted(gone))
+
+    def _work_partition(self, f: _Finished) -> int | None:
+        w = self._work.get(f.key)
+        return w.partition if w else None
+
+    # -- restore ---------------------------------------------------------------------------
+    def _restore(self, partitions: Sequence[int]) -> None:
+        """Read the changelog partitions from the beginning to their end into the state maps."""
+        started = time.monotonic()
+        codec = self.processor.state_codec
+        restorer = self._restorer
+        pending: set[int] = set()
+        assign: list[TopicPartition] = []
+        for p in partitions:
+            self._states[p] = {}
+            self._meta_has_holds[p] = False
+            low, high = restorer.get_watermark_offsets(TopicPartition(self._changelog, p), timeout=10)
+            if high > low:
+                pending.add(p)
+                assign.append(TopicPartition(self._changelog, p, low))
+        restorer.assign(assign)
+        records = 0
+        deadline = time.monotonic() + self.config.restore_timeout_s
+        try:
+            while pending:
+                if time.monotonic() > deadline:
+                    raise RestoreTimeout(f"changelog {self._changelog} partitions {sorted(pending)} not read to the end")
+                msg = restorer.poll(0.5)
+                if msg is None:
+                    continue
+                if msg.error():
+                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                        pending.discard(msg.partition())
+                        continue
+                    raise FatalLoopError(f"restoring {self._changelog}: {msg.error().str()}")
+                records += 1
+                p, key, value = msg.partition(), msg.key(), msg.value()
+                if key == LOOP_META_KEY:
+                    self._restore_meta(p, value)
+                elif key is not None:
+                    run_id = key.decode()
+                    if value is None:
+                        self._states[p].pop(run_id, None)
+                    elif codec is not None:
+                        self._states[p][run_id] = codec.decode(value)
+        finally:
+            restorer.unassign()
+        RESTORE_SECONDS.labels(self._name).observe(time.monotonic() - started)
+        self._log.info("states_restored", partitions=list(partitions), records=records,
+                       runs=sum(len(self._states[p]) for p in partitions))
+
+    def _restore_meta(self, p: int, value: bytes | None) -> None:
+        meta = json.loads(value) if value else {}
+        has_holds = False
+        for topic, entry in meta.items():
+            held = frozenset(entry["held"])
+            has_holds = has_holds or bool(held)
+            self._skip[(topic, p)] = (entry["position"], held)
+        self._meta_has_holds[p] = has_holds
+
+    # -- one batch -------------------------------------------------------------------------
+    def _collect(self, stop: threading.Event) -> list[Message]:
+        """Block until there is something to do, then take what is already fetched."""
+        consumer = self._consumer
+        cfg = self.config
+        self._buffer = []
+        while not stop.is_set() and not self._buffer and not self._redeliver and self._finished.empty():
+            if time.monotonic() >= self._next_tick:
+                break
+            msg = consumer.poll(0.05)
+            self._check_fatal()
+            if msg is not None:
+                self._buffer.append(msg)
+        if self._buffer:
+            deadline = time.monotonic() + cfg.batch_max_ms / 1000
+            while len(self._buffer) < cfg.batch_max_messages and time.monotonic() < deadline:
+                more = consumer.consume(cfg.batch_max_messages - len(self._buffer), timeout=0)
+                if not more:
+                    break
+                self._buffer.extend(more)
+        batch, self._buffer = self._buffer, []
+        good = []
+        for m in batch:
+            err = m.error()
+            if err is None:
+                good.append(m)
+            elif err.fatal():
+                raise FatalLoopError(f"consumer: {err.str()}")
+            else:
+                self._log.warning("consume_error", error=err.str())
+        return good
+
+    def _take_finished(self) -> list[_Finished]:
+        out, self._redeliver = self._redeliver, []
+        while True:
+            try:
+                out.append(self._finished.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _run_batch(self, stop: threading.Event) -> None:
+        msgs = self._collect(stop)
+        finished = [f for f in self._take_finished() if self._is_current(f)]
+        tick_due = time.monotonic() >= self._next_tick and bool(self._owned)
+        if not msgs and not finished and not tick_due:
+            if time.monotonic() >= self._next_tick:
+                self._next_tick = time.monotonic() + self.config.tick_interval_ms / 1000
+            return
+
+        batch = _Batch(now_ms=self._clock_ms())
+        snapshot = (
+            dict(self._next),
+            {tp: dict(h) for tp, h in self._holds.items()},
+            dict(self._work),
+            dict(self._meta_has_holds),
+            dict(self._committed),
+        )
+        try:
+            if self._txn:
+                self._call(self._producer.begin_transaction)
+            for f in finished:
+                self._deliver(batch, f)
+            for m in msgs:
+                self._handle_record(batch, m)
+            if tick_due:
+                self._tick(batch)
+            self._checkpoint(batch)
+            self._commit(batch)
+        except _AbortBatch as exc:
+            self._abort(batch, snapshot, exc)
+            return
+        if tick_due:
+            self._next_tick = time.monotonic() + self.config.tick_interval_ms / 1000
+        # Committed: only now may the decided work start.
+        for w in batch.starts:
+            self._pool.submit(self._run_work, w)
+        WORK_IN_FLIGHT.labels(self._name).set(len(self._work))
+        BATCHES.labels(self._name, "committed").inc()
+
+    def _is_current(self, f: _Finished) -> bool:
+        w = self._work.get(f.key)
+        return w is not None and w.epoch == f.epoch and self._epoch.get(w.partition, 0) == f.epoch
+
+    def _run_work(self, w: _Work) -> None:
+        try:
+            self._finished.put(_Finished(w.key, w.epoch, result=w.fn()))
+        except BaseException as exc:  # the processor decides what a failure means
+            self._finished.put(_Finished(w.key, w.epoch, error=exc))
+
+    # -- handling ---------------------------------------------------------------------------
+    def _deliver(self, batch: _Batch, f: _Finished) -> None:
+        w = self._work.pop(f.key)
+        batch.delivered.append(f)
+        batch.touched.add(w.partition)
+        if w.origin is not None:
+            self._release_hold(w.origin, w.origin_offset)
+        done = WorkDone(w.key, w.run_id, w.tenant_id, w.partition, result=f.result, error=f.error)
+        unit = _Unit()
+        ctx = _Ctx(self, batch, unit, w.partition, w.origin, w.origin_offset)
+        try:
+            self.processor.on_work_done(done, ctx)
+        except Unprocessable as exc:
+            self._dead_letter_work(batch, w, exc.reason, exc.detail)
+            WORK_DONE.labels(self._name, "dead_lettered").inc()
+            return
+        except Exception as exc:
+            self._handler_failed(exc, work=w.key)
+            self._dead_letter_work(batch, w, "HANDLER_ERROR", _describe(exc))
+            WORK_DONE.labels(self._name, "dead_lettered").inc()
+            return
+        self._apply(batch, unit)
+        WORK_DONE.labels(self._name, "error" if f.error is not None else "ok").inc()
+
+    def _handle_record(self, batch: _Batch, m: Message) -> None:
+        tp = (m.topic(), m.partition())
+        offset = m.offset()
+        if m.partition() not in self._owned:
+            return  # revoked while collecting
+        batch.first_offsets.setdefault(tp, offset)
+        batch.touched.add(m.partition())
+        self._next[tp] = offset + 1
+        skip = self._skip.get(tp)
+        if skip is not None:
+            position, held = skip
+            if offset >= position:
+                del self._skip[tp]
+            elif offset not in held:
+                # Handled in a committed transaction before a failover; only held inputs replay.
+                RECORDS.labels(self._name, m.topic(), "skipped_replay").inc()
+                return
+        try:
+            envelope = decode_envelope(m.value() or b"")
+            payload = open_payload(envelope)
+        except SerdeError as exc:
+            self._dead_letter(batch, m, exc.reason, exc.detail)
+            return
+        unit = _Unit()
+        ctx = _Ctx(self, batch, unit, m.partition(), tp, offset)
+        try:
+            self.processor.handle(Inbound(m.topic(), m.partition(), offset, envelope, payload), ctx)
+        except Unprocessable as exc:
+            self._dead_letter(batch, m, exc.reason, exc.detail)
+            return
+        except Exception as exc:
+            self._handler_failed(exc, topic=m.topic(), partition=m.partition(), offset=offset)
+            self._dead_letter(batch, m, "HANDLER_ERROR", _describe(exc))
+            return
+        self._apply(batch, unit)
+        batch.handled += 1
+        RECORDS.labels(self._name, m.topic(), "handled").inc()
+
+    def _tick(self, batch: _Batch) -> None:
+        unit = _Unit()
+        try:
+            self.processor.on_tick(_TickCtx(self, batch, unit))
+        except Exception as exc:
+            # A tick has no record to dead-letter; drop its effects, the next tick retries.
+            self._handler_failed(exc, tick=True)
+            return
+        self._apply(batch, unit)
+        self._update_lag()
+
+    def _handler_failed(self, exc: Exception, **where: Any) -> None:
+        self._log.error("handler_failed", error=_describe(exc), traceback=traceback.format_exc(), **where)
+        if self.config.handler_errors == "fail":
+            raise FatalLoopError(f"handler failed: {_describe(exc)}") from exc
+
+    def _apply(self, batch: _Batch, unit: _Unit) -> None:
+        for topic, partition, key, value, headers in unit.outputs:
+            self._produce(topic, partition, key, value, headers)
+            batch.produced += 1
+        for (p, run_id), state in unit.states.items():
+            states = self._states.setdefault(p, {})
+            if (p, run_id) not in batch.undo:
+                batch.undo[(p, run_id)] = states.get(run_id, _MISSING)
+            if state is None:
+                states.pop(run_id, None)
+            else:
+                states[run_id] = state
+            batch.dirty.add((p, run_id))
+            batch.touched.add(p)
+        for w in unit.starts:
+            if w.key in self._work:
+                continue
+            self._work[w.key] = w
+            batch.starts.append(w)
+            if w.origin is not None:
+                holds = self._holds.setdefault(w.origin, {})
+                holds[w.origin_offset] = holds.get(w.origin_offset, 0) + 1
+
+    def _release_hold(self, tp: TP, offset: int | None) -> None:
+        holds = self._holds.get(tp)
+        if not holds or offset not in holds:
+            return
+        holds[offset] -= 1
+        if holds[offset] <= 0:
+            del holds[offset]
+
+    # -- dead letters -----------------------------------------------------------------------
+    def _dead_letter(self, batch: _Batch, m: Message, reason: str, detail: str) -> None:
+        headers = list(m.headers() or []) + [
+            (DLQ_REASON, reason.encode()),
+            (DLQ_DETAIL, detail[:2000].encode()),
+            (DLQ_SERVICE, self._name.encode()),
+            (DLQ_TOPIC, m.topic().encode()),
+            (DLQ_PARTITION, str(m.partition()).encode()),
+            (DLQ_OFFSET, str(m.offset()).encode()),
+        ]
+        self._produce(self._dead_letters, m.partition(), m.key(), m.value(), headers)
+        DEAD_LETTERS.labels(self._name, reason).inc()
+        RECORDS.labels(self._name, m.topic(), "dead_lettered").inc()
+        self._log.warning("dead_lettered", reason=reason, detail=detail[:500], topic=m.topic(),
+                          partition=m.partition(), offset=m.offset())
+
+    def _dead_letter_work(self, batch: _Batch, w: _Work, reason: str, detail: str) -> None:
+        headers = [
+            (DLQ_REASON, reason.encode()),
+            (DLQ_DETAIL, detail[:2000].encode()),
+            (DLQ_SERVICE, self._name.encode()),
+            (DLQ_WORK_KEY, w.key.encode()),
+            ("tether-tenant", w.tenant_id.encode()),
+            ("tether-run", w.run_id.encode()),
+        ]
+        self._produce(self._dead_letters, w.partition, w.run_id.encode(), None, headers)
+        DEAD_LETTERS.labels(self._name, reason).inc()
+        self._log.warning("work_dead_lettered", reason=reason, detail=detail[:500], key=w.key)
+
+    # -- commit -----------------------------------------------------------------------------
+    def _checkpoint(self, batch: _Batch) -> None:
+        """Produce the batch's state changes and the loop's replay bookkeeping to the changelog."""
+        codec = self.processor.state_codec
+        for p, run_id in batch.dirty:
+            if p not in self._owned:
+                continue
+            state = self._states.get(p, {}).get(run_id)
+            if state is not None and codec is None:
+                raise FatalLoopError(f"{self._name} put state but has no state_codec")
+            value = None if state is None else codec.encode(state)
+            self._produce(self._changelog, p, run_id.encode(), value, None)
+        for p in sorted(batch.touched):
+            if p not in self._owned:
+                continue
+            meta = {}
+            for topic in self._owned[p]:
+                entry = self._meta_entry((topic, p))
+                if entry is not None:
+                    meta[topic] = entry
+            has_holds = any(entry["held"] for entry in meta.values())
+            if has_holds or self._meta_has_holds.get(p, False):
+                self._produce(self._changelog, p, LOOP_META_KEY, json.dumps(meta).encode(), None)
+                self._meta_has_holds[p] = has_holds
+
+    def _meta_entry(self, tp: TP) -> dict[str, Any] | None:
+        """Which inputs of `tp` at or above the committed offset a failover must replay."""
+        nxt = self._next.get(tp)
+        holds = set(self._holds.get(tp, {}))
+        skip = self._skip.get(tp)
+        if skip is not None:
+            # Still replaying after a restore: keep the restored knowledge of what lies ahead.
+            position, held = skip
+            ahead = {o for o in held if nxt is None or o >= nxt}
+            return {"position": max(position, nxt or 0), "held": sorted(holds | ahead)}
+        if nxt is None:
+            return None
+        return {"position": nxt, "held": sorted(holds)}
+
+    def _offsets_to_commit(self) -> list[TopicPartition]:
+        out = []
+        for tp, nxt in self._next.items():
+            holds = self._holds.get(tp)
+            offset = min(holds) if holds else nxt
+            if self._committed.get(tp) != offset:
+                out.append(TopicPartition(tp[0], tp[1], offset))
+        return out
+
+    def _commit(self, batch: _Batch) -> None:
+        offsets = self._offsets_to_commit()
+        started = time.monotonic()
+        if self._txn:
+            if offsets:
+                meta = self._consumer.consumer_group_metadata()
+                self._call(lambda: self._producer.send_offsets_to_transaction(offsets, meta, 30))
+            self._call(lambda: self._producer.commit_transaction(30))
+        else:
+            remaining = self._producer.flush(30)
+            if remaining or self._delivery_errors:
+                errs = [e.str() for e in self._delivery_errors]
+                raise FatalLoopError(f"at-least-once delivery failed ({remaining} unsent): {errs[:3]}")
+            if offsets:
+                try:
+                    self._consumer.commit(offsets=offsets, asynchronous=False)
+                except KafkaException as exc:
+                    raise FatalLoopError(f"offset commit failed: {exc.args[0].str()}") from exc
+        COMMIT_SECONDS.labels(self._name).observe(time.monotonic() - started)
+        for tp in offsets:
+            self._committed[(tp.topic, tp.partition)] = tp.offset
+
+    def _abort(self, batch: _Batch, snapshot: tuple, exc: _AbortBatch) -> None:
+        if not self._txn:
+            raise FatalLoopError(f"at-least-once batch failed: {exc}") from exc
+        self._log.warning("batch_aborted", error=str(exc))
+        BATCHES.labels(self._name, "aborted").inc()
+        try:
+            self._producer.abort_transaction(30)
+        except KafkaException as err:
+            raise FatalLoopError(f"abort_transaction failed: {err.args[0].str()}") from err
+        # Undo everything the batch changed in memory, then replay it.
+        for (p, run_id), old in batch.undo.items():
+            states = self._states.setdefault(p, {})
+            if old is _MISSING:
+                states.pop(run_id, None)
+            else:
+                states[run_id] = old
+        self._next, self._holds, self._work, self._meta_has_holds, self._committed = snapshot
+        self._redeliver = batch.delivered + self._redeliver
+        for (topic, partition), offset in batch.first_offsets.items():
+            if partition in self._owned:
+                self._consumer.seek(TopicPartition(topic, partition, offset))
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run a transactional producer call: retry retriable errors, abort the batch on
+        abortable ones, exit on fatal ones (fenced by a newer instance of this slot)."""
+        for attempt in range(1, 11):
+            try:
+                return fn()
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.fatal():
+                    raise FatalLoopError(f"fatal transaction error: {err.str()}") from exc
+                if err.txn_requires_abort():
+                    raise _AbortBatch(err.str()) from exc
+                if err.retriable() and attempt < 10:
+                    self._log.info("txn_retry", error=err.str(), attempt=attempt)
+                    time.sleep(min(0.05 * 2**attempt, 2))
+                    continue
+                raise FatalLoopError(f"transaction error: {err.str()}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _produce(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
+                 headers: list[tuple[str, bytes]] | None) -> None:
+        while True:
+            try:
+                self._producer.produce(topic, value=value, key=key, partition=partition, headers=headers)
+                return
+            except BufferError:
+                self._producer.poll(0.05)  # the local queue is full: let deliveries drain
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.fatal():
+                    raise FatalLoopError(f"produce: {err.str()}") from exc
+                raise _AbortBatch(f"produce: {err.str()}") from exc
+
+    def _update_lag(self) -> None:
+        for tp, nxt in list(self._next.items()):
+            try:
+                _low, high = self._consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
+            except KafkaException:
+                continue
+            if high is not None and high >= 0:
+                LAG.labels(self._name, tp[0], str(tp[1])).set(max(0, high - nxt))
+
+    def _shutdown(self) -> None:
+        if self._consumer is not None:
+            try:
+                self._consumer.close()  # leaves the group: partitions move now, not after a timeout
+            except Exception as exc:  # already closed by a fatal error path
+                self._log.warning("consumer_close_failed", error=_describe(exc))
+        if self._restorer is not None:
+            self._restorer.close()
+        if self._producer is not None:
+            self._producer.flush(10)
+        if self._pool is not None:
+            # Unfinished work is not waited for: its inputs are held, so the next owner replays them.
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._log.info("loop_stopped")
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def serve_processor(
+    processor: Processor,
+    settings: ServiceSettings,
+    *,
+    stop: threading.Event | None = None,
+    **config_overrides: Any,
+) -> int:
+    """A processor service's whole main: logging, metrics/health server, signals, the loop.
+
+    Returns the exit code (0 after SIGTERM/SIGINT, 1 when the loop failed fatally); use as
+    ``raise SystemExit(serve_processor(MyProcessor(...), MySettings()))``.
+    """
+    from tether_runtime import logging as runtime_logging
+    from tether_runtime.http import HealthServer
+    from tether_runtime.service import run
+
+    runtime_logging.configure(processor.name, settings.log_level, instance=settings.instance_id)
+    loop = ProcessorLoop(processor, LoopConfig.from_settings(settings, **config_overrides))
+    health = HealthServer(host=settings.http_host, port=settings.metrics_port, ready=lambda: loop.ready)
+
+    def main(stop_event: threading.Event) -> int:
+        health.start()
+        try:
+            loop.run(stop_event)
+        finally:
+            health.stop()
+        return 0
+
+    return run(main, stop=stop)

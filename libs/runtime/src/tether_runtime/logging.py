@@ -1,0 +1,69 @@
+"""Structured logging: one JSON object per line on stderr, tagged with service and instance."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
+
+
+class UnknownLogLevel(ValueError):
+    """The configured log level is not one of DEBUG, INFO, WARNING, ERROR."""
+
+
+def configure(service: str, level: str = "INFO", *, instance: int | str | None = None) -> None:
+    """Send structlog (and stdlib logging) output to stderr as JSON lines with service/instance fields."""
+    numeric = _LEVELS.get(level.upper())
+    if numeric is None:
+        raise UnknownLogLevel(f"log level {level!r} is not one of {sorted(_LEVELS)}")
+    static: dict[str, Any] = {"service": service}
+    if instance is not None:
+        static["instance"] = instance
+
+    def add_static(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+        # Static fields instead of contextvars: work threads do not inherit context.
+        for k, v in static.items():
+            event.setdefault(k, v)
+        return event
+
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        add_static,
+    ]
+    structlog.configure(
+        processors=[
+            *shared,
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    # Libraries that use stdlib logging end up in the same JSON stream.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                structlog.processors.JSONRenderer(),
+            ],
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(numeric)
+
+
+def get_logger(name: str | None = None, **fields: Any) -> Any:
+    """A structlog logger (bound to `fields`)."""
+    return structlog.get_logger(name).bind(**fields) if fields else structlog.get_logger(name)

@@ -1,0 +1,50 @@
+"""Typed settings base for every service: shared infrastructure addresses plus per-service knobs."""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _infra(name: str) -> AliasChoices:
+    # Infrastructure addresses are the same for every service, so they are read from fixed
+    # TETHER_* names whatever the subclass's env prefix is (an alias bypasses the prefix).
+    return AliasChoices(name)
+
+
+class ServiceSettings(BaseSettings):
+    """Base class of a service's settings (its composition root reads exactly one of these).
+
+    Shared infrastructure fields come from fixed names (``TETHER_KAFKA_BOOTSTRAP``,
+    ``TETHER_PG_DSN``, ``TETHER_REDIS_URL``, ``TETHER_PARTITIONS``, ``TETHER_TOPIC_PREFIX``).
+    Every other field is read under the subclass's own prefix, e.g. a subclass with
+    ``model_config = SettingsConfigDict(env_prefix="TETHER_BUDGET_")`` reads
+    ``TETHER_BUDGET_INSTANCE_ID``. See docs/configuration.md.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="TETHER_SERVICE_", extra="ignore", populate_by_name=True)
+
+    # -- shared infrastructure (fixed names) ------------------------------------------------
+    kafka_bootstrap: str = Field("127.0.0.1:9092", validation_alias=_infra("TETHER_KAFKA_BOOTSTRAP"))
+    pg_dsn: str = Field("postgresql://tether@127.0.0.1:5432/tether", validation_alias=_infra("TETHER_PG_DSN"))
+    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias=_infra("TETHER_REDIS_URL"))
+    partitions: int = Field(6, ge=1, validation_alias=_infra("TETHER_PARTITIONS"))
+    topic_prefix: str = Field(
+        "",
+        validation_alias=_infra("TETHER_TOPIC_PREFIX"),
+        description="Prepended to every topic, consumer group and transactional id (isolates tests).",
+    )
+
+    # -- per service (under the subclass's env prefix) --------------------------------------
+    instance_id: int = Field(
+        0, ge=0, description="Stable slot of this instance; the transactional id is '<name>-<instance_id>'."
+    )
+    http_host: str = Field("127.0.0.1", description="Address of the metrics/health server.")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Port of the metrics/health server; 0 = ephemeral.")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
+    batch_max_ms: int = Field(100, ge=1, description="Longest a loop batch collects input before it commits.")
+    batch_max_messages: int = Field(500, ge=1, description="Most input records per loop batch/transaction.")
+    work_threads: int = Field(8, ge=1, description="Threads running slow work (model calls, tool executions).")
+    session_timeout_ms: int = Field(
+        10_000, ge=6_000, description="Consumer group session timeout: how soon a dead instance's partitions move."
+    )
