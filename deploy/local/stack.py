@@ -66,10 +66,12 @@ class Settings:
     def from_env(cls) -> Settings:
         env = os.environ
         state = Path(env.get("TETHER_STATE_DIR") or REPO / ".state").expanduser()
+        kafka_port = _port(env, "TETHER_KAFKA_PORT", 9092)
         return cls(
             state_dir=state.resolve(),
-            kafka_port=_port(env, "TETHER_KAFKA_PORT", 9092),
-            kafka_controller_port=_port(env, "TETHER_KAFKA_CONTROLLER_PORT", 9093),
+            kafka_port=kafka_port,
+            # The controller listener sits next to the broker's unless placed explicitly.
+            kafka_controller_port=_port(env, "TETHER_KAFKA_CONTROLLER_PORT", kafka_port + 1),
             pg_port=_port(env, "TETHER_PG_PORT", 5432),
             redis_port=_port(env, "TETHER_REDIS_PORT", 6379),
             kafka_heap=env.get("TETHER_KAFKA_HEAP", "512m"),

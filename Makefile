@@ -1,0 +1,61 @@
+# Tether's entry points. The two commands: `make run` and `make test` (see README.md).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+ROOT := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
+
+# Where the stack keeps its state and which loopback ports it uses; override any of them, e.g.
+# `TETHER_KAFKA_PORT=29092 TETHER_KAFKA_CONTROLLER_PORT=29093 make test`.
+export TETHER_STATE_DIR ?= $(ROOT)/.state
+export TETHER_KAFKA_PORT ?= 9092
+# TETHER_KAFKA_CONTROLLER_PORT defaults to TETHER_KAFKA_PORT + 1 (deploy/local/stack.py).
+export TETHER_PG_PORT ?= 5432
+export TETHER_REDIS_PORT ?= 6379
+# The addresses tests and services read, derived from the ports above unless set explicitly.
+export TETHER_KAFKA_BOOTSTRAP ?= 127.0.0.1:$(TETHER_KAFKA_PORT)
+export TETHER_PG_DSN ?= postgresql://tether@127.0.0.1:$(TETHER_PG_PORT)/tether
+export TETHER_REDIS_URL ?= redis://127.0.0.1:$(TETHER_REDIS_PORT)/0
+
+PYTHON3 ?= python3
+STACK := $(PYTHON3) $(ROOT)/deploy/local/stack.py
+VENV := $(ROOT)/.venv
+PYTEST_ARGS ?=
+# `make run` hands over to this script once it exists (the agent demo run).
+RUN_DEMO ?= $(ROOT)/deploy/local/run-demo
+
+.PHONY: help setup up down status test run generate
+
+help:
+	@echo "make run       set up, start the local stack, run the demo"
+	@echo "make test      set up, start the local stack, run every test (PYTEST_ARGS=... to narrow)"
+	@echo "make up        start Kafka, PostgreSQL and Redis on 127.0.0.1 (no-op when running)"
+	@echo "make down      stop what 'make up' started"
+	@echo "make status    show the stack's processes, addresses, data and logs"
+	@echo "make setup     install what is missing (Debian packages, uv, .venv, Kafka jars)"
+	@echo "make generate  regenerate code derived from schemas/"
+
+setup:
+	@$(ROOT)/deploy/local/setup.sh
+
+up: setup
+	@$(STACK) up
+
+down:
+	@$(STACK) down
+
+status:
+	@$(STACK) status
+
+test: up
+	cd $(ROOT) && $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+run: up
+	@if [ -x "$(RUN_DEMO)" ]; then \
+	  exec "$(RUN_DEMO)"; \
+	else \
+	  echo "The local stack is up: Kafka $(TETHER_KAFKA_BOOTSTRAP), PostgreSQL $(TETHER_PG_DSN), Redis $(TETHER_REDIS_URL)."; \
+	  echo "No agent demo is wired into 'make run' yet ($(RUN_DEMO) does not exist). Stop the stack with 'make down'."; \
+	fi
+
+generate: setup
+	cd $(ROOT) && $(VENV)/bin/python -m tether_contracts.codegen
