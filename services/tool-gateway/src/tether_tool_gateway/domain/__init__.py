@@ -1,0 +1,1 @@
+"""The gateway's pure decision code: no Kafka, PostgreSQL, HTTP or clock; only recorded inputs."""

@@ -1,0 +1,77 @@
+"""The gateway's ports besides the ledger: executors (one per executor_kind), secrets, redaction."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tether_contracts.records import ToolSpec
+
+
+class SecretNotFound(KeyError):
+    """A tool referenced a secret name the provider does not know."""
+
+
+class SecretProvider(Protocol):
+    """Resolves secret names (from a tool's executor config) to values at execution time.
+    Values never leave the executor: not in events, logs, traces or the ledger."""
+
+    def resolve(self, name: str) -> str:
+        """The secret's value; raises `SecretNotFound`."""
+        ...
+
+
+class MappingSecretProvider:
+    """Secrets from a mapping the composition root built (e.g. from a mounted file)."""
+
+    def __init__(self, secrets: Mapping[str, str] | None = None) -> None:
+        self._secrets = dict(secrets or {})
+
+    def resolve(self, name: str) -> str:
+        try:
+            return self._secrets[name]
+        except KeyError:
+            raise SecretNotFound(name) from None
+
+    def values(self) -> list[str]:
+        """Every known secret value (for a redactor)."""
+        return list(self._secrets.values())
+
+
+class Redactor(Protocol):
+    """Scrubs secrets from tool output before it is recorded anywhere."""
+
+    def redact(self, text: str) -> str: ...
+
+
+class PassthroughRedactor:
+    """Redacts nothing. The seam where known-secret and secret-shaped scrubbing goes."""
+
+    def redact(self, text: str) -> str:
+        return text
+
+
+@dataclass(frozen=True)
+class ExecutionRequest:
+    """One execution of a tool call, as an executor sees it."""
+
+    tool: ToolSpec
+    args: Any
+    idem_key: str  # passed downstream (e.g. as an Idempotency-Key header) so re-runs are deduplicated
+    run_id: str
+    tenant_id: str
+    call_id: str
+    attempt: int
+    timeout_s: float
+
+
+class Executor(Protocol):
+    """Runs tools of one executor_kind ('builtin', 'http', 'mcp', 'sandbox').
+
+    Returns the result as a JSON-compatible value, or raises `ToolError` (TIMEOUT, TOOL_ERROR,
+    INVALID_RESULT, ...). Any other exception is reported as TOOL_ERROR. Called on a worker
+    thread, never on the loop thread; must honour `request.timeout_s` where it can.
+    """
+
+    def execute(self, request: ExecutionRequest, secrets: SecretProvider) -> Any: ...
