@@ -1,0 +1,208 @@
+"""The per-run ledger: what the budget service knows about a run, checkpointed after every batch.
+
+It is a fold over the run's events: caps and deadline, the chain position (seq, last hash),
+cumulative usage, the current step and every tool call with its status, the event ids
+already sequenced, the loop guard's memory. After the run ends the ledger is kept in full for
+a while, then shrunk to a tombstone that still recognises late duplicates, then forgotten.
+A per-tenant ledger (concurrency, spend) fits beside it in the same state store under the key
+`tenant:<tenant_id>` (run ids never contain ':').
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+from tether_budget.domain.loopguard import LoopGuardState
+from tether_contracts.records import Caps, Usage
+
+GENESIS_HASH = "0" * 64  # prev_hash of a run's first event (tether_messaging.chain.GENESIS_HASH)
+
+
+class RunStatus(StrEnum):
+    ACTIVE = "ACTIVE"
+    COMPLETED = "COMPLETED"
+    TERMINATED = "TERMINATED"
+    REJECTED = "REJECTED"
+
+
+class CallStatus(StrEnum):
+    """Where a tool call is; the terminal ones let the step finish."""
+
+    NOT_BUDGETED = "NOT_BUDGETED"  # requested when a cap was hit; never ran
+    BUDGETED = "BUDGETED"  # the gateway may decide and execute
+    APPROVAL_PENDING = "APPROVAL_PENDING"  # waiting for a human (gateway asked)
+    APPROVED = "APPROVED"  # approved; the gateway executes next
+    DECLINED = "DECLINED"  # approval rejected or expired; the gateway denies next
+    OUTCOME_UNKNOWN = "OUTCOME_UNKNOWN"  # non-idempotent call interrupted; waiting for a human
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    DENIED = "DENIED"
+    RESOLVED = "RESOLVED"  # outcome unknown, and a human let the run continue
+
+
+TERMINAL = frozenset({CallStatus.COMPLETED, CallStatus.FAILED, CallStatus.DENIED, CallStatus.RESOLVED})
+NEVER_RAN = frozenset({CallStatus.NOT_BUDGETED})
+WAITING_FOR_HUMAN = frozenset({CallStatus.APPROVAL_PENDING, CallStatus.OUTCOME_UNKNOWN})
+
+
+class Reason(StrEnum):
+    """Reason codes of RunTerminated / RunRejected (TerminationReport.reason_code)."""
+
+    STEP_CAP = "STEP_CAP"
+    TOKEN_CAP = "TOKEN_CAP"
+    COST_CAP = "COST_CAP"
+    WALL_CLOCK_CAP = "WALL_CLOCK_CAP"
+    TOOL_CALL_CAP = "TOOL_CALL_CAP"
+    LOOP_DETECTED = "LOOP_DETECTED"
+    CANCELLED = "CANCELLED"
+    MODEL_FAILED = "MODEL_FAILED"
+    CONTEXT_OVERFLOW = "CONTEXT_OVERFLOW"
+    APPROVAL_TIMEOUT = "APPROVAL_TIMEOUT"
+    OUTCOME_UNKNOWN = "OUTCOME_UNKNOWN"  # a human declined to continue after an unknown outcome
+    INVALID_CAPS = "INVALID_CAPS"
+    CAPS_ABOVE_CEILING = "CAPS_ABOVE_CEILING"
+    INVALID_TOOLS = "INVALID_TOOLS"
+
+
+class ToolFacts(BaseModel):
+    """What the ledger keeps of a tool snapshot from RunAccepted."""
+
+    pollable: bool = False
+    idempotent: bool = True
+    risk_class: str = "READ_ONLY"
+
+
+class CallEntry(BaseModel):
+    """One tool call of the run."""
+
+    call_id: str
+    step: int
+    call_index: int
+    idem_key: str
+    tool_name: str
+    args_json: str
+    status: CallStatus
+    approval_id: str | None = None
+    observation: str | None = Field(None, description="Result JSON (or error text) as recorded, for signatures.")
+    error: str | None = Field(None, description="Error class: error code, or denied:<reason>.")
+
+
+class StepEntry(BaseModel):
+    """The step currently granted."""
+
+    step: int
+    granted_at_ms: int
+    model_done: bool = False
+    tool_call_count: int | None = None
+    call_ids: list[str] = Field(default_factory=list)
+    text_hash: str | None = None
+
+
+class Ledger(BaseModel):
+    """The run's ledger (one per run, keyed by run id in the budget's state store)."""
+
+    run_id: str
+    tenant_id: str
+    principal_id: str
+    request_id: str
+    partition: int
+    submit_event_id: str
+    status: RunStatus = RunStatus.ACTIVE
+    caps: Caps | None = None
+    accepted_at_ms: int = 0
+    deadline_ms: int = 0
+    human_wait_ms: int = Field(0, description="Time spent waiting for humans; it extends the deadline.")
+    waiting_since_ms: int | None = None
+
+    seq: int = 0
+    last_hash: str = GENESIS_HASH
+    seen_event_ids: set[str] = Field(default_factory=set, description="Event ids sequenced for the run.")
+
+    usage: Usage = Field(default_factory=Usage)
+    step: int = Field(0, description="Last step granted.")
+    steps_done: int = Field(0, description="Model calls that returned (completed or failed).")
+    current: StepEntry | None = None
+    calls: dict[str, CallEntry] = Field(default_factory=dict)
+    tool_calls_budgeted: int = 0
+    tools: dict[str, ToolFacts] = Field(default_factory=dict)
+    loop: LoopGuardState = Field(default_factory=LoopGuardState)
+    pending_warning: str | None = Field(None, description="Loop warning to give with the next grant.")
+    last_error: str | None = None
+
+    ended_at_ms: int | None = None
+    end_reason: str | None = None
+    tombstoned: bool = False
+
+    # -- chain ----------------------------------------------------------------------------
+    def record_appended(self, event_id: str, seq: int, hash_: str) -> None:
+        """Note that an event was appended to the run's log at `seq` with `hash_`."""
+        self.seq, self.last_hash = seq, hash_
+        if not self.tombstoned:
+            self.seen_event_ids.add(event_id)
+
+    # -- derived facts --------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return self.status is RunStatus.ACTIVE
+
+    @property
+    def tokens_used(self) -> int:
+        return self.usage.input_tokens + self.usage.output_tokens
+
+    @property
+    def waiting_for_human(self) -> bool:
+        return any(c.status in WAITING_FOR_HUMAN for c in self.calls.values())
+
+    def deadline_at(self, now_ms: int) -> int:
+        """The deadline with the time spent waiting for humans added (a wait in progress counts up to now)."""
+        waiting = now_ms - self.waiting_since_ms if self.waiting_since_ms is not None else 0
+        return self.deadline_ms + self.human_wait_ms + max(0, waiting)
+
+    def step_calls(self) -> list[CallEntry]:
+        if self.current is None:
+            return []
+        return [self.calls[c] for c in self.current.call_ids]
+
+    def step_finished(self) -> bool:
+        """Every call of the current step has been requested and has a terminal outcome."""
+        cur = self.current
+        if cur is None or not cur.model_done or not cur.tool_call_count:
+            return False
+        calls = self.step_calls()
+        return len(calls) == cur.tool_call_count and all(c.status in TERMINAL for c in calls)
+
+    def track_human_wait(self, now_ms: int) -> None:
+        """Start or stop the human-wait clock after a call's status changed."""
+        if self.waiting_for_human and self.waiting_since_ms is None:
+            self.waiting_since_ms = now_ms
+        elif not self.waiting_for_human and self.waiting_since_ms is not None:
+            self.human_wait_ms += max(0, now_ms - self.waiting_since_ms)
+            self.waiting_since_ms = None
+
+    def add_usage(self, usage: Usage) -> None:
+        self.usage = Usage(
+            input_tokens=self.usage.input_tokens + usage.input_tokens,
+            output_tokens=self.usage.output_tokens + usage.output_tokens,
+            cost_usd_micros=self.usage.cost_usd_micros + usage.cost_usd_micros,
+        )
+
+    def end(self, status: RunStatus, reason: str, now_ms: int) -> None:
+        if self.waiting_since_ms is not None:
+            self.human_wait_ms += max(0, now_ms - self.waiting_since_ms)
+            self.waiting_since_ms = None
+        self.status, self.end_reason, self.ended_at_ms = status, reason, now_ms
+        self.pending_warning = None
+
+    def tombstone(self) -> None:
+        """Shrink an ended ledger to what late records can still touch: the chain position and
+        the calls (and model call) still open when the run ended. Late duplicates of anything
+        else are recognised because nothing else is open."""
+        self.calls = {k: c for k, c in self.calls.items() if c.status not in TERMINAL | NEVER_RAN}
+        if self.current is not None:
+            self.current.call_ids = [c for c in self.current.call_ids if c in self.calls]
+        self.seen_event_ids = set()
+        self.loop = LoopGuardState()
+        self.tools = {}
+        self.tombstoned = True

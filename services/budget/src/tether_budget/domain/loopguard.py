@@ -1,0 +1,380 @@
+"""LoopGuard: tells an unproductive loop from hard work using per-step signatures (safety notes §C4).
+
+A step's signature is computed by the budget service from the log, never by the model:
+for each tool call `a` = tool name + canonical JSON arguments, `o` = hash of the normalised
+result (volatile timestamps, uuids, durations, ids stripped), `e` = error class (a denial is
+`denied:<reason>`); for a text-only turn `m` = hash of the assistant text. The rules run after
+every step; the first detection yields a one-time warning, any later detection terminates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+EXCERPT_CHARS = 200
+
+# Volatile substrings that change between otherwise identical observations.
+_VOLATILE_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", re.I), "<uuid>"),
+    (
+        re.compile(
+            r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?\b", re.I
+        ),
+        "<time>",
+    ),
+    (re.compile(r"\b\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?\b"), "<time>"),
+    (re.compile(r"\b1\d{9}(?:\d{3})?(?:\.\d+)?\b"), "<epoch>"),  # epoch seconds/millis, 2001..2033
+    (
+        re.compile(
+            r"\b\d+(?:\.\d+)?\s?(?:ns|us|µs|ms|s|sec|secs|second|seconds|min|mins|minute|minutes)\b", re.I
+        ),
+        "<duration>",
+    ),
+    (re.compile(r"\b(?:pid|process|request[_ -]?id|trace[_ -]?id)[=: ]+\w+", re.I), "<id>"),
+    (re.compile(r"\b0x[0-9a-f]{6,}\b", re.I), "<addr>"),
+)
+
+# JSON object keys whose values are volatile by name.
+_VOLATILE_KEYS = frozenset(
+    {
+        "timestamp", "ts", "time", "date", "datetime", "now",
+        "created_at", "updated_at", "started_at", "finished_at", "completed_at",
+        "duration", "duration_ms", "elapsed", "elapsed_ms", "latency", "latency_ms", "took", "took_ms",
+        "pid", "request_id", "requestid", "trace_id", "traceid", "span_id", "etag", "nonce",
+    }
+)  # fmt: skip
+
+
+def _hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _excerpt(text: str) -> str:
+    return text if len(text) <= EXCERPT_CHARS else text[: EXCERPT_CHARS - 1] + "…"
+
+
+def canonical_action(tool_name: str, args_json: str) -> str:
+    """`a`: the tool name with canonical JSON arguments (key order and whitespace do not matter)."""
+    try:
+        args = json.dumps(json.loads(args_json), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except ValueError:
+        args = " ".join(args_json.split())
+    return f"{tool_name}({args})"
+
+
+def _drop_volatile_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_volatile_keys(v) for k, v in value.items() if k.lower() not in _VOLATILE_KEYS}
+    if isinstance(value, list):
+        return [_drop_volatile_keys(v) for v in value]
+    return value
+
+
+def normalise_observation(text: str) -> str:
+    """The observation with volatile keys and substrings removed, so reruns compare equal."""
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        normalised = text
+    else:
+        normalised = json.dumps(_drop_volatile_keys(parsed), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    for pattern, replacement in _VOLATILE_PATTERNS:
+        normalised = pattern.sub(replacement, normalised)
+    return " ".join(normalised.split())
+
+
+class CallSignature(BaseModel):
+    """The signature of one tool call with its outcome."""
+
+    action: str = Field(description="Hash of the canonical action a.")
+    label: str = Field(description="The canonical action, shortened, for warnings and reports.")
+    observation: str = Field(description="Hash of the normalised observation o (result or error).")
+    error: str | None = Field(None, description="Error class e, or None when the call succeeded.")
+    excerpt: str = Field("", description="Start of the observation, for warnings and reports.")
+    pollable: bool = False
+
+    @property
+    def denied(self) -> bool:
+        return self.error is not None and self.error.startswith("denied:")
+
+
+def call_signature(
+    tool_name: str,
+    args_json: str,
+    *,
+    observation: str,
+    error: str | None = None,
+    pollable: bool = False,
+) -> CallSignature:
+    """Sign a finished tool call: `observation` is the result JSON, or the error text for failures."""
+    action = canonical_action(tool_name, args_json)
+    normalised = normalise_observation(observation)
+    return CallSignature(
+        action=_hash(action),
+        label=_excerpt(action),
+        observation=_hash(f"{error or ''}\x1f{normalised}"),
+        error=error,
+        excerpt=_excerpt(observation),
+        pollable=pollable,
+    )
+
+
+class StepSignature(BaseModel):
+    """The signature of one step: its tool calls in call order, or the text of a text-only turn."""
+
+    step: int
+    calls: list[CallSignature] = Field(default_factory=list)
+    text: str | None = Field(None, description="m: hash of the assistant text, for a text-only turn.")
+    novel: bool = Field(False, description="Set by the guard: some (a, o) pair of the step was new to the run.")
+
+    @property
+    def text_only(self) -> bool:
+        return not self.calls
+
+    @property
+    def action(self) -> str:
+        return _hash("\n".join(c.action for c in self.calls))
+
+    @property
+    def outcome(self) -> str:
+        """The step's (a, o) identity."""
+        return _hash("\n".join(f"{c.action}:{c.observation}" for c in self.calls))
+
+    @property
+    def error(self) -> str | None:
+        if all(c.error is None for c in self.calls):
+            return None
+        return ";".join(c.error or "-" for c in self.calls)
+
+    @property
+    def pollable(self) -> bool:
+        return any(c.pollable for c in self.calls)
+
+    @property
+    def label(self) -> str:
+        return _excerpt(", ".join(c.label for c in self.calls)) if self.calls else "(text-only turn)"
+
+    @property
+    def excerpt(self) -> str:
+        return self.calls[0].excerpt if self.calls else ""
+
+
+def text_step(step: int, assistant_text: str) -> StepSignature:
+    """The signature of a text-only turn."""
+    return StepSignature(step=step, text=_hash(" ".join(assistant_text.split())))
+
+
+class LoopRule(StrEnum):
+    """The detection rules; values are stable, machine-readable names used in reports and metrics."""
+
+    REPEAT = "R1_REPEAT"
+    REPEAT_ERROR = "R2_REPEAT_ERROR"
+    REPEATED_DENIAL = "R2B_REPEATED_DENIAL"
+    MONOLOGUE = "R3_MONOLOGUE"
+    CYCLE = "R4_CYCLE"
+    NO_PROGRESS = "R5_NO_PROGRESS"
+
+
+class Detection(BaseModel):
+    """One firing of a rule, with what a human (or the model) needs to understand it."""
+
+    rule: LoopRule
+    step: int
+    count: int = Field(description="Repetitions (or window length) that made the rule fire.")
+    period: int | None = None
+    action: str = Field(description="The repeated action(s), shortened.")
+    excerpt: str = ""
+    error: str | None = None
+
+    def warning(self) -> str:
+        """The deterministic one-time note given to the model with the next grant."""
+        act = self.action
+        match self.rule:
+            case LoopRule.REPEAT:
+                what = f"you have called {act} {self.count} times in a row with the identical result \"{self.excerpt}\""
+            case LoopRule.REPEAT_ERROR:
+                what = f"{act} failed {self.count} times in a row with the same error ({self.error})"
+            case LoopRule.REPEATED_DENIAL:
+                return (
+                    f"Loop warning ({self.rule}): {act} has been denied {self.count} times in this run "
+                    f"({self.error}). It will not be allowed; do not propose it again. Change approach or finish."
+                )
+            case LoopRule.MONOLOGUE:
+                return (
+                    f"Loop warning ({self.rule}): your last {self.count} turns were text without a tool call. "
+                    "Call a tool, or give your final answer."
+                )
+            case LoopRule.CYCLE:
+                what = (
+                    f"your last {self.count} steps repeat the same {self.period}-step cycle ({act}) "
+                    "with identical results"
+                )
+            case LoopRule.NO_PROGRESS:
+                what = f"your last {self.count} tool steps produced no new information (latest: {act})"
+        return f"Loop warning ({self.rule}): {what}. Change approach, ask the user, or finish."
+
+    def summary(self) -> str:
+        """One line for a termination report: the rule and the repeated action."""
+        period = f", period {self.period}" if self.period else ""
+        error = f", error {self.error}" if self.error else ""
+        return f"{self.rule} at step {self.step} ({self.count} repetitions{period}{error}): {self.action}"
+
+
+class Verdict(StrEnum):
+    CONTINUE = "CONTINUE"
+    WARN = "WARN"
+    TERMINATE = "TERMINATE"
+
+
+class LoopGuardState(BaseModel):
+    """What the guard remembers about a run; part of the run's ledger checkpoint, bounded in size."""
+
+    history: list[StepSignature] = Field(default_factory=list, description="Recent counted steps, oldest first.")
+    seen_pairs: set[str] = Field(default_factory=set, description="Every (a, o) pair seen in the run.")
+    denials: dict[str, int] = Field(default_factory=dict, description="Denials per action hash in the run.")
+    polls: dict[str, int] = Field(default_factory=dict, description="Uncounted poll repeats per step identity.")
+    warned: Detection | None = None
+    fired: Detection | None = None
+
+
+@dataclass(frozen=True)
+class LoopGuardConfig:
+    """Thresholds (the OpenHands defaults, per §C4)."""
+
+    repeat_n: int = 4
+    error_n: int = 3
+    denial_n: int = 3
+    monologue_n: int = 3
+    cycle_periods: tuple[int, ...] = (2, 3, 4)
+    cycle_repeats: int = 3
+    novelty_window: int = 12
+    poll_budget: int = 20
+
+    @property
+    def history_len(self) -> int:
+        return max(
+            self.repeat_n,
+            self.error_n,
+            self.monologue_n,
+            max(self.cycle_periods, default=0) * self.cycle_repeats,
+            self.novelty_window,
+        )
+
+
+class LoopGuard:
+    """Evaluates the rules after each step. Pure: all memory is in the `LoopGuardState` passed in."""
+
+    def __init__(self, config: LoopGuardConfig | None = None) -> None:
+        self.config = config or LoopGuardConfig()
+
+    def observe(self, state: LoopGuardState, step: StepSignature) -> tuple[Verdict, Detection | None]:
+        """Fold one finished step into `state`; the first detection warns, a later one terminates."""
+        detection = self._fold(state, step)
+        if detection is None:
+            return Verdict.CONTINUE, None
+        if state.warned is None:
+            state.warned = detection
+            return Verdict.WARN, detection
+        state.fired = detection
+        return Verdict.TERMINATE, detection
+
+    # -- folding ------------------------------------------------------------------------------
+    def _fold(self, state: LoopGuardState, step: StepSignature) -> Detection | None:
+        cfg = self.config
+        denial = self._count_denials(state, step)
+        if not step.text_only and step.pollable:
+            # A poll that repeats a step seen before counts once per distinct result, within the budget.
+            key = step.outcome
+            if key in state.polls and state.polls[key] < cfg.poll_budget:
+                state.polls[key] += 1
+                return denial
+            state.polls.setdefault(key, 0)
+        step = step.model_copy()
+        pairs = {f"{c.action}:{c.observation}" for c in step.calls}
+        step.novel = bool(pairs - state.seen_pairs)
+        state.seen_pairs |= pairs
+        state.history.append(step)
+        del state.history[: -cfg.history_len]
+        return denial or self._detect(state.history)
+
+    def _count_denials(self, state: LoopGuardState, step: StepSignature) -> Detection | None:
+        worst: Detection | None = None
+        for call in step.calls:
+            if not call.denied:
+                continue
+            count = state.denials.get(call.action, 0) + 1
+            state.denials[call.action] = count
+            if count >= self.config.denial_n and (worst is None or count > worst.count):
+                worst = Detection(
+                    rule=LoopRule.REPEATED_DENIAL, step=step.step, count=count,
+                    action=call.label, excerpt=call.excerpt, error=call.error,
+                )  # fmt: skip
+        return worst
+
+    # -- rules over the recent history --------------------------------------------------------
+    def _detect(self, history: list[StepSignature]) -> Detection | None:
+        cfg = self.config
+        last = history[-1]
+        if last.text_only:
+            run = _tail(history, cfg.monologue_n)
+            if run and all(s.text_only for s in run):
+                return Detection(rule=LoopRule.MONOLOGUE, step=last.step, count=len(run), action=last.label)
+            return None
+
+        run = _tail(history, cfg.error_n)
+        if run and _tool_steps(run) and last.error is not None and all(
+            s.action == last.action and s.error == last.error for s in run
+        ):
+            return Detection(
+                rule=LoopRule.REPEAT_ERROR, step=last.step, count=len(run),
+                action=last.label, excerpt=last.excerpt, error=last.error,
+            )  # fmt: skip
+
+        run = _tail(history, cfg.repeat_n)
+        if run and _tool_steps(run) and all(s.outcome == last.outcome for s in run):
+            return Detection(
+                rule=LoopRule.REPEAT, step=last.step, count=len(run), action=last.label, excerpt=last.excerpt
+            )
+
+        for p in cfg.cycle_periods:
+            run = _tail(history, p * cfg.cycle_repeats)
+            if not run or not _tool_steps(run):
+                continue
+            keys = [s.outcome for s in run]
+            block = keys[:p]
+            if all(keys[i] == block[i % p] for i in range(len(keys))) and _minimal_period(block) == p:
+                return Detection(
+                    rule=LoopRule.CYCLE, step=last.step, count=len(run), period=p,
+                    action=" → ".join(s.label for s in run[:p]), excerpt=last.excerpt,
+                )  # fmt: skip
+
+        tool_steps = [s for s in history if not s.text_only][-cfg.novelty_window :]
+        if len(tool_steps) == cfg.novelty_window and not any(s.novel for s in tool_steps):
+            return Detection(
+                rule=LoopRule.NO_PROGRESS, step=last.step, count=cfg.novelty_window,
+                action=last.label, excerpt=last.excerpt,
+            )  # fmt: skip
+        return None
+
+
+def _tail(history: list[StepSignature], n: int) -> list[StepSignature]:
+    return history[-n:] if n > 0 and len(history) >= n else []
+
+
+def _tool_steps(steps: list[StepSignature]) -> bool:
+    return all(not s.text_only for s in steps)
+
+
+def _minimal_period(block: list[str]) -> int:
+    n = len(block)
+    for d in range(1, n):
+        if n % d == 0 and all(block[i] == block[i % d] for i in range(n)):
+            return d
+    return n

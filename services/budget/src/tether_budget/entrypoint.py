@@ -1,0 +1,57 @@
+"""The budget stream processor: consumes commands and run intake, appends the run event log."""
+
+from __future__ import annotations
+
+import structlog
+
+from tether_budget.domain.errors import ProtocolViolation
+from tether_budget.domain.ledger import Ledger
+from tether_budget.handlers import COMMAND_HANDLERS, INTAKE_HANDLERS, Deps, check_timers
+from tether_messaging.errors import Unprocessable
+from tether_messaging.processor import Context, Inbound, PydanticStateCodec, TickContext, WorkDone
+
+log = structlog.get_logger("tether_budget")
+
+
+class BudgetProcessor:
+    """The sequencer and ledger keeper, driven by `tether_messaging.loop` (or the in-memory driver).
+
+    Per-run state is the run's `Ledger`, checkpointed to the `budget` changelog in the same
+    transaction as the events it appended.
+    """
+
+    name = "budget"
+    state_codec = PydanticStateCodec(Ledger)
+
+    def __init__(self, deps: Deps) -> None:
+        self.deps = deps
+        self.inputs = (deps.topics.commands, deps.topics.run_intake)
+        self._tables = {deps.topics.commands: COMMAND_HANDLERS, deps.topics.run_intake: INTAKE_HANDLERS}
+
+    def handle(self, msg: Inbound, ctx: Context) -> None:
+        table = self._tables.get(msg.topic)
+        if table is None:
+            raise Unprocessable("UNEXPECTED_TOPIC", f"budget does not consume {msg.topic}")
+        handler = table.get(type(msg.payload))
+        if handler is None:
+            # E.g. a command smuggled into the intake topic, or a log event fed back as intake.
+            raise Unprocessable("UNEXPECTED_RECORD", f"{msg.envelope.event_type} is not accepted on {msg.topic}")
+        try:
+            handler(msg, ctx, deps=self.deps)
+        except ProtocolViolation as exc:
+            log.warning(
+                "record_refused",
+                run_id=msg.envelope.run_id,
+                event_id=msg.envelope.event_id,
+                event_type=msg.envelope.event_type,
+                reason=exc.reason,
+                detail=exc.detail,
+            )
+            raise Unprocessable(exc.reason, exc.detail) from exc
+
+    def on_work_done(self, done: WorkDone, ctx: Context) -> None:
+        # The budget never starts slow work; a delivery here is a loop bug worth seeing.
+        log.error("unexpected_work_done", key=done.key, run_id=done.run_id)
+
+    def on_tick(self, ctx: TickContext) -> None:
+        check_timers(ctx, deps=self.deps)

@@ -1,0 +1,235 @@
+"""Handlers of the budget processor: load the run's ledger, ask the domain, seal and append the plan.
+
+Each handler is a plain function (record first, dependencies as named parameters); the tables
+mapping record types to handlers are at the bottom. Domain guards raise `ProtocolViolation`;
+the processor turns them into dead letters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from tether_budget.domain.decisions import (
+    INTAKE_TYPES,
+    AdmissionPolicy,
+    AppendRecord,
+    Plan,
+    Retention,
+    admit,
+    cancel,
+    fold,
+    resubmit,
+    tick,
+    tick_due,
+)
+from tether_budget.domain.errors import ProtocolViolation, UnknownRun
+from tether_budget.domain.ledger import Ledger, Reason
+from tether_budget.domain.loopguard import LoopGuard
+from tether_budget.metrics import BudgetMetrics
+from tether_contracts.base import AvroRecord
+from tether_contracts.records import (
+    CancelRun,
+    DecideApproval,
+    Envelope,
+    RunAccepted,
+    RunCompleted,
+    RunRejected,
+    RunTerminated,
+    StepGranted,
+    SubmitRun,
+    ToolCallBudgeted,
+)
+from tether_messaging.chain import seal
+from tether_messaging.envelopes import derived_id, make_envelope
+from tether_messaging.processor import Context, Inbound, TickContext
+from tether_messaging.topics import Topics
+
+PRODUCER = "budget"
+
+log = structlog.get_logger("tether_budget")
+
+
+@dataclass(frozen=True)
+class Deps:
+    """What the handlers need besides the record and the context; built by the bootstrap."""
+
+    topics: Topics
+    policy: AdmissionPolicy
+    guard: LoopGuard
+    retention: Retention
+    metrics: BudgetMetrics
+
+
+# -- shared steps ----------------------------------------------------------------------------
+
+
+def _load(ctx: Context, run_id: str) -> Ledger | None:
+    state = ctx.get_state(run_id)
+    # A working copy: the loop keeps the committed object for undo, and a refused record
+    # must leave it untouched.
+    return None if state is None else state.model_copy(deep=True)
+
+
+def _decision_envelope(payload: AvroRecord, what: tuple, ledger: Ledger, ctx: Context, cause: Envelope | None) -> Envelope:
+    return make_envelope(
+        payload,
+        run_id=ledger.run_id,
+        tenant_id=ledger.tenant_id,
+        event_id=derived_id(ledger.run_id, *what),
+        producer=PRODUCER,
+        recorded_at_ms=ctx.now_ms,
+        causation_id=cause.event_id if cause else None,
+        traceparent=cause.traceparent if cause else None,
+    )
+
+
+def write_plan(plan: Plan, ledger: Ledger, ctx: Context, *, deps: Deps, inbound: Envelope | None) -> None:
+    """Seal the plan's records onto the run's chain, append them to the log, checkpoint the ledger."""
+    metrics = deps.metrics
+    for entry in plan.entries:
+        if isinstance(entry, AppendRecord):
+            if inbound is None:
+                raise ProtocolViolation("NOTHING_TO_APPEND", "a plan without an input record appended one")
+            envelope, payload = inbound, None
+        else:
+            envelope, payload = _decision_envelope(entry.payload, entry.what, ledger, ctx, inbound), entry.payload
+        if envelope.event_id in ledger.seen_event_ids:
+            # Deterministic ids: the same decision was already appended; appending it again
+            # would put one fact in the log twice.
+            log.warning("decision_already_sequenced", run_id=ledger.run_id, event_id=envelope.event_id)
+            continue
+        sealed = seal(envelope, ledger.seq + 1, ledger.last_hash)
+        ctx.emit_envelope(deps.topics.run_events, sealed)
+        ledger.record_appended(sealed.event_id, sealed.seq or 0, sealed.hash or "")
+        metrics.events_sequenced.labels(sealed.event_type).inc()
+        _count(payload, sealed, metrics)
+    if plan.detection is not None:
+        stopped = any(
+            not isinstance(e, AppendRecord)
+            and isinstance(e.payload, RunTerminated)
+            and e.payload.reason_code == Reason.LOOP_DETECTED
+            for e in plan.entries
+        )
+        metrics.loop_detections.labels(plan.detection.rule.value, "terminate" if stopped else "warn").inc()
+        log.info("loop_detected", run_id=ledger.run_id, rule=plan.detection.rule.value, terminate=stopped)
+    if plan.dropped is not None:
+        metrics.records_dropped.labels(plan.dropped).inc()
+        log.info(
+            "record_dropped",
+            run_id=ledger.run_id,
+            reason=plan.dropped,
+            event_id=inbound.event_id if inbound else None,
+            event_type=inbound.event_type if inbound else None,
+        )
+    ctx.put_state(ledger.run_id, ledger)
+
+
+def _count(payload: AvroRecord | None, sealed: Envelope, metrics: BudgetMetrics) -> None:
+    if payload is None:
+        if sealed.event_type == RunCompleted.AVRO_NAME:
+            metrics.runs_completed.inc()
+        return
+    if isinstance(payload, RunAccepted):
+        metrics.runs_accepted.inc()
+    elif isinstance(payload, RunRejected):
+        metrics.runs_rejected.labels(payload.reason_code).inc()
+    elif isinstance(payload, RunTerminated):
+        metrics.runs_terminated.labels(payload.reason_code).inc()
+        log.info("run_terminated", run_id=sealed.run_id, reason=payload.reason_code, detail=payload.report.detail)
+    elif isinstance(payload, StepGranted):
+        metrics.steps_granted.inc()
+    elif isinstance(payload, ToolCallBudgeted):
+        metrics.tool_calls_budgeted.inc()
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def submit_run(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
+    """SubmitRun → RunAccepted + StepGranted(1), or RunRejected; a repeated submit is dropped."""
+    env, command = msg.envelope, msg.payload
+    existing = _load(ctx, env.run_id)
+    if existing is not None:
+        write_plan(resubmit(existing, command, event_id=env.event_id), existing, ctx, deps=deps, inbound=env)
+        return
+    ledger, plan = admit(
+        command,
+        run_id=env.run_id,
+        tenant_id=env.tenant_id,
+        partition=ctx.partition,
+        event_id=env.event_id,
+        now_ms=ctx.now_ms,
+        policy=deps.policy,
+    )
+    write_plan(plan, ledger, ctx, deps=deps, inbound=env)
+
+
+def cancel_run(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
+    """CancelRun → RunTerminated(CANCELLED) with the run's report."""
+    env = msg.envelope
+    ledger = _load(ctx, env.run_id)
+    if ledger is None:
+        raise UnknownRun(env.run_id)
+    plan = cancel(ledger, msg.payload, tenant_id=env.tenant_id, now_ms=ctx.now_ms)
+    write_plan(plan, ledger, ctx, deps=deps, inbound=env)
+
+
+def not_ours(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
+    """Commands on the shared topic that another service handles (DecideApproval: approval)."""
+
+
+# -- intake ----------------------------------------------------------------------------------
+
+
+def sequence_intake(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
+    """Any intake record: append it to the run's log (or drop it) with the decisions it triggers."""
+    env = msg.envelope
+    ledger = _load(ctx, env.run_id)
+    if ledger is None:
+        raise UnknownRun(env.run_id)
+    if ctx.partition != ledger.partition:
+        raise ProtocolViolation(
+            "WRONG_PARTITION", f"run {env.run_id} lives on partition {ledger.partition}, record came on {ctx.partition}"
+        )
+    plan = fold(
+        ledger, msg.payload, event_id=env.event_id, tenant_id=env.tenant_id, guard=deps.guard, now_ms=ctx.now_ms
+    )
+    write_plan(plan, ledger, ctx, deps=deps, inbound=env)
+
+
+# -- timers ----------------------------------------------------------------------------------
+
+
+def check_run_timers(run_id: str, ctx: Context, *, deps: Deps) -> None:
+    """Wall-clock cap of an active run; retention of an ended one."""
+    state = ctx.get_state(run_id)
+    if not isinstance(state, Ledger) or not tick_due(state, now_ms=ctx.now_ms, retention=deps.retention):
+        return
+    ledger = state.model_copy(deep=True)
+    result = tick(ledger, now_ms=ctx.now_ms, retention=deps.retention)
+    if result.forget:
+        ctx.put_state(run_id, None)
+    elif result.changed:
+        write_plan(result.plan, ledger, ctx, deps=deps, inbound=None)
+
+
+def check_timers(ctx: TickContext, *, deps: Deps) -> None:
+    """Run the timers of every run in the partitions this instance owns."""
+    for partition in ctx.owned_partitions():
+        pctx = ctx.for_partition(partition)
+        for run_id in ctx.runs_with_state(partition):
+            check_run_timers(run_id, pctx, deps=deps)
+
+
+Handler = Callable[..., None]
+
+COMMAND_HANDLERS: dict[type[AvroRecord], Handler] = {
+    SubmitRun: submit_run,
+    CancelRun: cancel_run,
+    DecideApproval: not_ours,
+}
+
+INTAKE_HANDLERS: dict[type[AvroRecord], Handler] = {record_type: sequence_intake for record_type in INTAKE_TYPES}
