@@ -1,0 +1,54 @@
+"""`python -m tether_run_api`: settings → bootstrap → gRPC server (+ metrics/health HTTP) until SIGTERM."""
+
+from __future__ import annotations
+
+import threading
+
+import structlog
+
+from tether_run_api.api.server import start_server
+from tether_run_api.bootstrap import build_app
+from tether_run_api.settings import RunApiSettings
+from tether_runtime import logging as runtime_logging
+from tether_runtime.http import HealthServer
+from tether_runtime.service import run
+
+log = structlog.get_logger("tether_run_api")
+
+
+def serve(stop: threading.Event, settings: RunApiSettings | None = None) -> int:
+    """Serve until `stop` is set; then stop accepting, drain in-flight calls, flush Kafka."""
+    settings = settings or RunApiSettings()
+    runtime_logging.configure("run-api", settings.log_level, instance=settings.instance_id)
+    app = build_app(settings)
+    server = None
+    http = None
+    try:
+        server = start_server(
+            app.services,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.grpc_workers,
+            max_receive_message_bytes=settings.max_receive_message_bytes,
+            max_send_message_bytes=settings.max_send_message_bytes,
+        )
+        http = HealthServer(host=settings.http_host, port=settings.metrics_port, ready=app.ready)
+        http.start()
+        log.info("grpc_listening", host=settings.host, port=server.port)
+        stop.wait()
+    finally:
+        if server is not None:
+            server.stop(grace_s=5.0)
+        if http is not None:
+            http.stop()
+        app.close()
+    return 0
+
+
+def main() -> None:
+    """Console entry point `tether-run-api`."""
+    raise SystemExit(run(serve))
+
+
+if __name__ == "__main__":
+    main()

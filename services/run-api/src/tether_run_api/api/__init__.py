@@ -1,0 +1,1 @@
+"""The gRPC entrypoint: servicers, status mapping, protobuf conversion and the server."""

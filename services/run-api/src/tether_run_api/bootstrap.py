@@ -1,0 +1,84 @@
+"""Composition root helpers: real adapters built from RunApiSettings (the only place that opens connections)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import redis
+from psycopg_pool import ConnectionPool
+
+from tether_messaging.admin import declare_topics
+from tether_messaging.topics import Topics
+from tether_run_api import handlers
+from tether_run_api.adapters.kafka import KafkaCommandPublisher
+from tether_run_api.adapters.live import RedisLiveEvents
+from tether_run_api.adapters.postgres import PostgresStore, migrate, open_pool
+from tether_run_api.adapters.read_model import PostgresReadModel
+from tether_run_api.api.servicers import Services
+from tether_run_api.domain.admission import SubmitRateLimiter
+from tether_run_api.domain.runs import RunLimits
+from tether_run_api.settings import RunApiSettings
+
+
+@dataclass
+class App:
+    """The run-api's wired dependencies and how to release them."""
+
+    settings: RunApiSettings
+    services: Services
+    store: PostgresStore
+    publisher: KafkaCommandPublisher
+    _closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        """Ready to serve: the producer's poll thread is alive."""
+        return self.publisher.ready()
+
+    def close(self) -> None:
+        """Flush Kafka and close PostgreSQL and Redis, in reverse order of opening."""
+        for close in reversed(self._closers):
+            close()
+        self._closers.clear()
+
+
+def open_store(settings: RunApiSettings) -> tuple[PostgresStore, ConnectionPool]:
+    """The run_api schema's store (migrated), for the server and for admin commands."""
+    pool = open_pool(settings.pg_dsn, max_size=settings.pg_pool_size)
+    migrate(pool, settings.pg_schema)
+    return PostgresStore(pool, settings.pg_schema), pool
+
+
+def build_app(settings: RunApiSettings) -> App:
+    """Open PostgreSQL (and migrate run_api), Redis and a Kafka producer; declare the topics if asked."""
+    topics = Topics(settings.topic_prefix)
+    if settings.declare_topics:
+        declare_topics(settings.kafka_bootstrap, settings.partitions, [], prefix=settings.topic_prefix)
+    closers: list[Callable[[], None]] = []
+    store, pool = open_store(settings)
+    closers.append(pool.close)
+    redis_client = redis.Redis.from_url(settings.redis_url)
+    closers.append(redis_client.close)
+    publisher = KafkaCommandPublisher(
+        settings.kafka_bootstrap, topics.commands, delivery_timeout_ms=settings.delivery_timeout_ms
+    )
+    closers.append(publisher.close)
+    services = Services(
+        keys=store,
+        catalog=store,
+        ledger=store,
+        read_model=PostgresReadModel(pool, settings.read_model_schema),
+        live=RedisLiveEvents(redis_client, key_prefix=settings.live_key_prefix),
+        publisher=publisher,
+        limiter=SubmitRateLimiter(settings.submit_rate_per_s, settings.submit_burst),
+        partitioning=handlers.Partitioning(settings.partitions),
+        run_limits=RunLimits(max_goal_chars=settings.max_goal_chars),
+        stream_policy=handlers.StreamPolicy(
+            block_ms=settings.stream_block_ms, gap_wait_s=settings.stream_gap_wait_s
+        ),
+        max_request_bytes=settings.max_request_bytes,
+        max_trace_events=settings.max_trace_events,
+        max_streams=settings.max_streams,
+        auth_cache_s=settings.auth_cache_s,
+    )
+    return App(settings=settings, services=services, store=store, publisher=publisher, _closers=closers)

@@ -1,0 +1,1 @@
+"""Pure decisions of the run-api: authentication rules, catalog validation, submit snapshots, streaming order."""

@@ -1,0 +1,274 @@
+"""Named refusals of the run-api; the gRPC boundary turns each into a status with an ErrorInfo reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import ClassVar
+
+DOMAIN = "tether.dev"
+
+
+class Category(str, Enum):
+    """The kind of refusal; the boundary maps it to the gRPC status code of the same name."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ABORTED = "ABORTED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    """One invalid field of a request (google.rpc.BadRequest.FieldViolation)."""
+
+    field: str
+    description: str
+    reason: str = ""
+
+
+class ApiError(Exception):
+    """A request the run-api refuses. `reason` is stable and machine-readable (ErrorInfo.reason)."""
+
+    category: ClassVar[Category]
+    reason: ClassVar[str]
+
+    def __init__(self, message: str, **metadata: object) -> None:
+        super().__init__(message)
+        self.message = message
+        self.metadata = {k: str(v) for k, v in metadata.items()}
+
+    #: Seconds after which a retry may succeed (google.rpc.RetryInfo); None = do not retry as is.
+    retry_after_s: float | None = None
+
+
+class Unauthenticated(ApiError):
+    """No API key, a malformed one, or one that is unknown or revoked (never says which)."""
+
+    category = Category.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED_API_KEY"
+
+
+class MissingRole(ApiError):
+    """The principal lacks the role the method needs."""
+
+    category = Category.PERMISSION_DENIED
+    reason = "MISSING_ROLE"
+
+    def __init__(self, role: str) -> None:
+        super().__init__(f"this method needs the {role!r} role", required_role=role)
+
+
+class InvalidArgument(ApiError):
+    """One or more fields are invalid; `violations` lists each (google.rpc.BadRequest)."""
+
+    category = Category.INVALID_ARGUMENT
+    reason = "INVALID_ARGUMENT"
+
+    def __init__(self, violations: list[FieldViolation] | FieldViolation) -> None:
+        if isinstance(violations, FieldViolation):
+            violations = [violations]
+        self.violations = list(violations)
+        text = "; ".join(f"{v.field}: {v.description}" for v in self.violations)
+        super().__init__(f"invalid request: {text}", fields=",".join(v.field for v in self.violations))
+
+
+class InvalidPageToken(InvalidArgument):
+    """A page token that this server did not issue for this listing."""
+
+    reason = "INVALID_PAGE_TOKEN"
+
+    def __init__(self) -> None:
+        super().__init__(FieldViolation("page_token", "not a page token issued for this listing"))
+
+
+class RequestTooLarge(ApiError):
+    """The request is larger than the server accepts; retrying it unchanged cannot succeed."""
+
+    category = Category.RESOURCE_EXHAUSTED
+    reason = "REQUEST_TOO_LARGE"
+
+    def __init__(self, size_bytes: int, limit_bytes: int) -> None:
+        super().__init__(
+            f"request is {size_bytes} bytes; the limit is {limit_bytes}",
+            size_bytes=size_bytes,
+            limit_bytes=limit_bytes,
+        )
+
+
+class RateLimited(ApiError):
+    """The tenant submits faster than its admission rate; retry after `retry_after_s`."""
+
+    category = Category.RESOURCE_EXHAUSTED
+    reason = "RATE_LIMITED"
+
+    def __init__(self, tenant_id: str, retry_after_s: float, limit_per_s: float) -> None:
+        super().__init__(
+            f"tenant submit rate above {limit_per_s:g}/s; retry in {retry_after_s:.3f}s",
+            tenant_id=tenant_id,
+            limit_per_s=f"{limit_per_s:g}",
+        )
+        self.retry_after_s = retry_after_s
+
+
+class RunNotFound(ApiError):
+    """No such run for this tenant (also for another tenant's run: existence is never revealed)."""
+
+    category = Category.NOT_FOUND
+    reason = "RUN_NOT_FOUND"
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"run {run_id!r} not found", run_id=run_id)
+
+
+class AgentNotFound(ApiError):
+    """No such agent (or agent version) for this tenant."""
+
+    category = Category.NOT_FOUND
+    reason = "AGENT_NOT_FOUND"
+
+    def __init__(self, agent_id: str, version: int | None = None) -> None:
+        what = f"agent {agent_id!r}" + (f" version {version}" if version else "")
+        super().__init__(f"{what} not found", agent_id=agent_id, version=version or "latest")
+
+
+class ToolNotFound(ApiError):
+    """No such tool (or tool version) for this tenant."""
+
+    category = Category.NOT_FOUND
+    reason = "TOOL_NOT_FOUND"
+
+    def __init__(self, name: str, version: int | None = None) -> None:
+        what = f"tool {name!r}" + (f" version {version}" if version else "")
+        super().__init__(f"{what} not found", tool_name=name, version=version or "latest")
+
+
+class ApprovalNotFound(ApiError):
+    """No such approval for this tenant."""
+
+    category = Category.NOT_FOUND
+    reason = "APPROVAL_NOT_FOUND"
+
+    def __init__(self, approval_id: str) -> None:
+        super().__init__(f"approval {approval_id!r} not found", approval_id=approval_id)
+
+
+class AgentAlreadyExists(ApiError):
+    """CreateAgent for an agent id the tenant already has (use UpdateAgent)."""
+
+    category = Category.ALREADY_EXISTS
+    reason = "AGENT_ALREADY_EXISTS"
+
+    def __init__(self, agent_id: str) -> None:
+        super().__init__(f"agent {agent_id!r} already exists; UpdateAgent makes a new version", agent_id=agent_id)
+
+
+class RequestIdReused(ApiError):
+    """A request_id was already used by this tenant for a different request."""
+
+    category = Category.ALREADY_EXISTS
+    reason = "REQUEST_ID_REUSED"
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            f"request_id {request_id!r} was already used for a different request", request_id=request_id
+        )
+
+
+class AgentVersionConflict(ApiError):
+    """UpdateAgent based on a version that is no longer the latest; re-read and retry."""
+
+    category = Category.ABORTED
+    reason = "AGENT_VERSION_CONFLICT"
+
+    def __init__(self, agent_id: str, expected: int, latest: int) -> None:
+        super().__init__(
+            f"agent {agent_id!r} is at version {latest}, not {expected}",
+            agent_id=agent_id,
+            expected_version=expected,
+            latest_version=latest,
+        )
+
+
+class RunAlreadyFinished(ApiError):
+    """The run has already ended; cancelling it has no effect."""
+
+    category = Category.FAILED_PRECONDITION
+    reason = "RUN_ALREADY_FINISHED"
+
+    def __init__(self, run_id: str, status: str) -> None:
+        super().__init__(f"run {run_id!r} already ended ({status})", run_id=run_id, status=status)
+
+
+class ApprovalNotPending(ApiError):
+    """The approval was already decided or has expired."""
+
+    category = Category.FAILED_PRECONDITION
+    reason = "APPROVAL_NOT_PENDING"
+
+    def __init__(self, approval_id: str, status: str) -> None:
+        super().__init__(f"approval {approval_id!r} is {status}, not pending", approval_id=approval_id, status=status)
+
+
+class ArgsHashMismatch(ApiError):
+    """The decision quotes other arguments than the ones awaiting approval."""
+
+    category = Category.FAILED_PRECONDITION
+    reason = "ARGS_HASH_MISMATCH"
+
+    def __init__(self, approval_id: str) -> None:
+        super().__init__(
+            f"args_hash does not match the arguments awaiting approval {approval_id!r}; re-read the approval",
+            approval_id=approval_id,
+        )
+
+
+class CommandNotDelivered(ApiError):
+    """Kafka did not acknowledge the command in time; a retry with the same request_id is safe."""
+
+    category = Category.UNAVAILABLE
+    reason = "COMMAND_NOT_DELIVERED"
+    retry_after_s = 1.0
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"the command was not acknowledged by Kafka: {detail}")
+
+
+class BackendUnavailable(ApiError):
+    """PostgreSQL or Redis could not be reached; retry later."""
+
+    category = Category.UNAVAILABLE
+    reason = "BACKEND_UNAVAILABLE"
+    retry_after_s = 1.0
+
+    def __init__(self, backend: str, detail: str) -> None:
+        super().__init__(f"{backend} unavailable: {detail}", backend=backend)
+
+
+class StreamResumeRequired(ApiError):
+    """The live stream could not be continued without a gap; resume from `next_seq`."""
+
+    category = Category.UNAVAILABLE
+    reason = "STREAM_RESUME_REQUIRED"
+    retry_after_s = 0.5
+
+    def __init__(self, run_id: str, next_seq: int) -> None:
+        super().__init__(
+            f"event stream of run {run_id!r} must be resumed from seq {next_seq}", run_id=run_id, next_seq=next_seq
+        )
+
+
+class TooManyStreams(ApiError):
+    """Every event-stream slot of this server is taken; retry shortly (or against another replica)."""
+
+    category = Category.RESOURCE_EXHAUSTED
+    reason = "TOO_MANY_STREAMS"
+    retry_after_s = 1.0
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"this server already serves {limit} event streams", limit=limit)

@@ -1,0 +1,636 @@
+"""The run-api's use cases: one plain function per RPC, the request first, dependencies as named parameters.
+
+They authorise (roles), validate (domain), read and write through the ports, and return
+domain values; the gRPC servicers in tether_run_api.api convert to and from protobuf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+from tether_contracts.records import CancelRun, DecideApproval
+from tether_messaging.envelopes import derived_id, make_envelope
+from tether_messaging.partitioner import partition_for
+from tether_messaging.serde import decode_envelope, encode
+from tether_run_api.domain.admission import SubmitRateLimiter
+from tether_run_api.domain.auth import ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER, Principal
+from tether_run_api.domain.catalog import (
+    AgentDraft,
+    AgentVersion,
+    CatalogLimits,
+    ToolDraft,
+    ToolVersion,
+    canonical_json,
+    check_agent_id,
+    check_tool_name,
+    merge_update,
+    validate_agent,
+    validate_tool,
+)
+from tether_run_api.domain.errors import (
+    AgentNotFound,
+    AgentVersionConflict,
+    ApprovalNotFound,
+    ApprovalNotPending,
+    ArgsHashMismatch,
+    FieldViolation,
+    InvalidArgument,
+    RequestIdReused,
+    RunAlreadyFinished,
+    RunNotFound,
+    StreamResumeRequired,
+    ToolNotFound,
+)
+from tether_run_api.domain.paging import decode_token, encode_token, page_size
+from tether_run_api.domain.runs import (
+    RunLimits,
+    SubmitRequest,
+    build_submit,
+    check_request_id,
+    check_run_id,
+    request_fingerprint,
+    validate_submit,
+)
+from tether_run_api.domain.stream import Offer, SeqGate
+from tether_run_api.domain.trace import Trace, build_trace
+from tether_run_api.domain.views import ApprovalView, EventView, RunView, StepView, Submission
+from tether_run_api.ports import (
+    Catalog,
+    CommandPublisher,
+    Idempotency,
+    LiveEvents,
+    ReadModel,
+    SubmitLedger,
+)
+
+PRODUCER = "run-api"
+APPROVAL_STATUSES = ("PENDING", "APPROVED", "REJECTED", "EXPIRED")
+_HEX64 = frozenset("0123456789abcdef")
+
+
+def _idem(request_id: str, body: object) -> Idempotency | None:
+    if not request_id:
+        return None
+    violations = check_request_id(request_id)
+    if violations:
+        raise InvalidArgument(violations)
+    return Idempotency(request_id, hashlib.sha256(canonical_json(body).encode()).hexdigest())
+
+
+# -- agents ---------------------------------------------------------------------------------
+
+
+def create_agent(
+    draft: AgentDraft,
+    request_id: str,
+    *,
+    principal: Principal,
+    now_ms: int,
+    catalog: Catalog,
+    limits: CatalogLimits,
+) -> AgentVersion:
+    """Version 1 of a new agent."""
+    principal.require(ROLE_ADMIN)
+    spec = validate_agent(draft, limits)
+    idem = _idem(request_id, {"op": "CreateAgent", "spec": spec.to_avro()})
+    return catalog.create_agent(principal.tenant_id, spec, principal.principal_id, now_ms, idem)
+
+
+def update_agent(
+    draft: AgentDraft,
+    update_mask: list[str],
+    expected_version: int,
+    request_id: str,
+    *,
+    principal: Principal,
+    now_ms: int,
+    catalog: Catalog,
+    limits: CatalogLimits,
+) -> AgentVersion:
+    """The next version of an agent: the latest with the masked fields replaced."""
+    principal.require(ROLE_ADMIN)
+    violations = check_agent_id(draft.agent_id, "agent.agent_id")
+    if expected_version < 0:
+        violations.append(FieldViolation("agent.version", "must not be negative (0 = no precondition)"))
+    if violations:
+        raise InvalidArgument(violations)
+    body = {"op": "UpdateAgent", "draft": repr(draft), "mask": update_mask, "expected": expected_version}
+    idem = _idem(request_id, body)
+    latest = catalog.get_agent(principal.tenant_id, draft.agent_id)
+    if latest is None:
+        raise AgentNotFound(draft.agent_id)
+    if expected_version and expected_version != latest.spec.version:
+        raise AgentVersionConflict(draft.agent_id, expected_version, latest.spec.version)
+    merged = merge_update(latest.spec, draft, update_mask)
+    spec = validate_agent(merged, limits)
+    # Without a precondition the store still refuses a concurrent writer that stored
+    # latest + 1 first (unique version), so no update is silently lost.
+    version = latest.spec.version + 1
+    spec = spec.model_copy(update={"version": version})
+    return catalog.add_agent_version(principal.tenant_id, spec, principal.principal_id, now_ms, idem)
+
+
+def get_agent(agent_id: str, version: int, *, principal: Principal, catalog: Catalog) -> AgentVersion:
+    """One version of an agent (latest when version is 0)."""
+    principal.require(ROLE_MEMBER)
+    violations = check_agent_id(agent_id)
+    if version < 0:
+        violations.append(FieldViolation("version", "must not be negative (0 = latest)"))
+    if violations:
+        raise InvalidArgument(violations)
+    found = catalog.get_agent(principal.tenant_id, agent_id, version or None)
+    if found is None:
+        raise AgentNotFound(agent_id, version)
+    return found
+
+
+def list_agents(
+    size: int, token: str, *, principal: Principal, catalog: Catalog
+) -> tuple[list[AgentVersion], str]:
+    """A page of agents (latest versions) and the next page token."""
+    principal.require(ROLE_MEMBER)
+    limit = page_size(size)
+    after = decode_token(token, "agents")
+    if after is not None and not isinstance(after, str):
+        raise InvalidArgument(FieldViolation("page_token", "malformed"))
+    rows = catalog.list_agents(principal.tenant_id, after, limit + 1)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, encode_token("agents", rows[-1].spec.agent_id) if more else ""
+
+
+# -- tools ----------------------------------------------------------------------------------
+
+
+def register_tool(
+    draft: ToolDraft,
+    request_id: str,
+    *,
+    principal: Principal,
+    now_ms: int,
+    catalog: Catalog,
+    limits: CatalogLimits,
+) -> ToolVersion:
+    """The next version of a tool (version 1 for a new name)."""
+    principal.require(ROLE_ADMIN)
+    spec = validate_tool(draft, limits)
+    idem = _idem(request_id, {"op": "RegisterTool", "spec": spec.to_avro()})
+    return catalog.register_tool(principal.tenant_id, spec, principal.principal_id, now_ms, idem)
+
+
+def get_tool(name: str, version: int, *, principal: Principal, catalog: Catalog) -> ToolVersion:
+    """One version of a tool (latest when version is 0)."""
+    principal.require(ROLE_MEMBER)
+    violations = check_tool_name(name)
+    if version < 0:
+        violations.append(FieldViolation("version", "must not be negative (0 = latest)"))
+    if violations:
+        raise InvalidArgument(violations)
+    found = catalog.get_tool(principal.tenant_id, name, version or None)
+    if found is None:
+        raise ToolNotFound(name, version)
+    return found
+
+
+def list_tools(
+    size: int, token: str, show_disabled: bool, *, principal: Principal, catalog: Catalog
+) -> tuple[list[ToolVersion], str]:
+    """A page of tools (latest versions) and the next page token."""
+    principal.require(ROLE_MEMBER)
+    limit = page_size(size)
+    listing = "tools+disabled" if show_disabled else "tools"
+    after = decode_token(token, listing)
+    if after is not None and not isinstance(after, str):
+        raise InvalidArgument(FieldViolation("page_token", "malformed"))
+    rows = catalog.list_tools(principal.tenant_id, after, limit + 1, show_disabled)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, encode_token(listing, rows[-1].spec.name) if more else ""
+
+
+def disable_tool(name: str, version: int, *, principal: Principal, catalog: Catalog) -> list[int]:
+    """Disable a tool version (or all versions when version is 0); returns the versions newly disabled."""
+    principal.require(ROLE_ADMIN)
+    violations = check_tool_name(name)
+    if version < 0:
+        violations.append(FieldViolation("version", "must not be negative (0 = every version)"))
+    if violations:
+        raise InvalidArgument(violations)
+    disabled = catalog.disable_tool(principal.tenant_id, name, version or None)
+    if disabled is None:
+        raise ToolNotFound(name, version)
+    return disabled
+
+
+# -- runs: commands ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Partitioning:
+    """How runs map to partitions of the command topic."""
+
+    partitions: int
+
+
+def submit_run(
+    req: SubmitRequest,
+    *,
+    principal: Principal,
+    now_ms: int,
+    run_id: str,
+    catalog: Catalog,
+    ledger: SubmitLedger,
+    publisher: CommandPublisher,
+    limiter: SubmitRateLimiter,
+    limits: RunLimits,
+    partitioning: Partitioning,
+    traceparent: str | None = None,
+) -> Submission:
+    """Snapshot the agent, tools and grants into a SubmitRun command and produce it; idempotent on request_id.
+
+    `run_id` is used only if this request_id is new. The ledger row (unique per tenant and
+    request_id) holds the encoded command, so a retry after a lost acknowledgement produces
+    the very same record again (same event id: the sequencer drops the duplicate).
+    """
+    principal.require(ROLE_MEMBER)
+    validate_submit(req, limits)
+    fingerprint = request_fingerprint(req)
+    tenant = principal.tenant_id
+
+    existing = ledger.get(tenant, req.request_id)
+    if existing is None:
+        limiter.admit(tenant, now_ms / 1000.0)
+        agent = catalog.get_agent(tenant, req.agent_id, req.agent_version or None)
+        if agent is None:
+            raise AgentNotFound(req.agent_id, req.agent_version)
+        tools = catalog.latest_enabled_tools(tenant, list(agent.spec.tool_allowlist))
+        grants = catalog.grants_for(tenant, principal.principal_id)
+        command = build_submit(principal, req, agent.spec, [t.spec for t in tools], grants)
+        partition = partition_for(tenant, run_id, partitioning.partitions, catalog.tenant_spread(tenant))
+        envelope = make_envelope(
+            command,
+            run_id=run_id,
+            tenant_id=tenant,
+            event_id=derived_id(run_id, "SubmitRun"),
+            producer=PRODUCER,
+            recorded_at_ms=now_ms,
+            traceparent=traceparent,
+        )
+        existing = ledger.claim(
+            Submission(
+                tenant_id=tenant,
+                request_id=req.request_id,
+                request_hash=fingerprint,
+                run_id=run_id,
+                principal_id=principal.principal_id,
+                agent_id=agent.spec.agent_id,
+                agent_version=agent.spec.version,
+                goal=req.goal,
+                partition=partition,
+                envelope=encode(envelope),
+                created_at_ms=now_ms,
+            )
+        )
+    if existing.request_hash != fingerprint:
+        raise RequestIdReused(req.request_id)
+    if not existing.delivered:
+        publisher.publish(decode_envelope(existing.envelope), existing.partition)
+        ledger.mark_delivered(tenant, req.request_id)
+    return existing
+
+
+def _visible_run(tenant: str, run_id: str, read_model: ReadModel, ledger: SubmitLedger) -> RunView:
+    violations = check_run_id(run_id)
+    if violations:
+        raise InvalidArgument(violations)
+    view = read_model.get_run(tenant, run_id)
+    if view is not None:
+        return view
+    submission = ledger.find_run(tenant, run_id)
+    if submission is None:
+        raise RunNotFound(run_id)
+    return submission.as_pending_run()
+
+
+def cancel_run(
+    run_id: str,
+    reason: str,
+    *,
+    principal: Principal,
+    now_ms: int,
+    read_model: ReadModel,
+    ledger: SubmitLedger,
+    publisher: CommandPublisher,
+    partitioning: Partitioning,
+    catalog: Catalog,
+    traceparent: str | None = None,
+) -> None:
+    """Produce a CancelRun command for a run of the tenant that has not finished."""
+    principal.require(ROLE_MEMBER)
+    if len(reason) > 1000:
+        raise InvalidArgument(FieldViolation("reason", "must be at most 1000 characters"))
+    view = _visible_run(principal.tenant_id, run_id, read_model, ledger)
+    if view.status.finished:
+        raise RunAlreadyFinished(run_id, view.status.value)
+    envelope = make_envelope(
+        CancelRun(principal_id=principal.principal_id, reason=reason or "cancelled by user"),
+        run_id=run_id,
+        tenant_id=principal.tenant_id,
+        # One cancel per run is enough; repeats carry the same id and the sequencer drops them.
+        event_id=derived_id(run_id, "CancelRun"),
+        producer=PRODUCER,
+        recorded_at_ms=now_ms,
+        traceparent=traceparent,
+    )
+    publisher.publish(envelope, _run_partition(principal.tenant_id, run_id, ledger, catalog, partitioning))
+
+
+def _run_partition(
+    tenant: str, run_id: str, ledger: SubmitLedger, catalog: Catalog, partitioning: Partitioning
+) -> int:
+    submission = ledger.find_run(tenant, run_id)
+    if submission is not None:
+        return submission.partition
+    # A run this ledger did not submit (restored from elsewhere): the current spread is the
+    # best knowledge, and equals the submit-time choice unless the spread changed since.
+    return partition_for(tenant, run_id, partitioning.partitions, catalog.tenant_spread(tenant))
+
+
+# -- runs: queries ----------------------------------------------------------------------------
+
+
+def get_run(run_id: str, *, principal: Principal, read_model: ReadModel, ledger: SubmitLedger) -> RunView:
+    """The run as the read model has it, or PENDING if only the submit is recorded so far."""
+    principal.require(ROLE_MEMBER)
+    return _visible_run(principal.tenant_id, run_id, read_model, ledger)
+
+
+def list_runs(
+    size: int, token: str, *, principal: Principal, read_model: ReadModel, ledger: SubmitLedger
+) -> tuple[list[RunView], str]:
+    """A page of the tenant's runs, newest first, with their read-model state where it exists."""
+    principal.require(ROLE_MEMBER)
+    limit = page_size(size)
+    before = decode_token(token, "runs")
+    if before is not None and not isinstance(before, str):
+        raise InvalidArgument(FieldViolation("page_token", "malformed"))
+    subs = ledger.list_runs(principal.tenant_id, before, limit + 1)
+    more = len(subs) > limit
+    subs = subs[:limit]
+    views = read_model.get_runs(principal.tenant_id, [s.run_id for s in subs])
+    runs = [views.get(s.run_id) or s.as_pending_run() for s in subs]
+    return runs, encode_token("runs", subs[-1].run_id) if more else ""
+
+
+def list_run_steps(
+    run_id: str,
+    size: int,
+    token: str,
+    *,
+    principal: Principal,
+    read_model: ReadModel,
+    ledger: SubmitLedger,
+) -> tuple[list[StepView], str]:
+    """A page of a run's steps, oldest first."""
+    principal.require(ROLE_MEMBER)
+    limit = page_size(size)
+    listing = f"steps:{run_id}"
+    after = decode_token(token, listing)
+    if after is not None and not isinstance(after, int):
+        raise InvalidArgument(FieldViolation("page_token", "malformed"))
+    _visible_run(principal.tenant_id, run_id, read_model, ledger)
+    steps = read_model.list_steps(principal.tenant_id, run_id, after or 0, limit + 1)
+    more = len(steps) > limit
+    steps = steps[:limit]
+    return steps, encode_token(listing, steps[-1].step) if more else ""
+
+
+def get_run_trace(
+    run_id: str,
+    *,
+    principal: Principal,
+    read_model: ReadModel,
+    ledger: SubmitLedger,
+    max_events: int,
+) -> tuple[RunView, Trace]:
+    """The run and its trace (at most max_events events; truncated says if there were more)."""
+    principal.require(ROLE_MEMBER)
+    view = _visible_run(principal.tenant_id, run_id, read_model, ledger)
+    events: list[EventView] = []
+    seq = 1
+    while len(events) <= max_events:
+        page = read_model.events(principal.tenant_id, run_id, seq, min(1000, max_events + 1 - len(events)))
+        if not page:
+            break
+        events.extend(page)
+        seq = page[-1].seq + 1
+    truncated = len(events) > max_events
+    return view, build_trace(events[:max_events], truncated=truncated)
+
+
+@dataclass(frozen=True)
+class StreamPolicy:
+    """How a live stream waits (settings)."""
+
+    page: int = 500  # events per catch-up query
+    block_ms: int = 1000  # longest wait on the live feed before re-checking the read model
+    gap_wait_s: float = 5.0  # how long a seq seen live may be missing from the read model
+    gap_poll_s: float = 0.1
+
+
+def stream_run_events(
+    run_id: str,
+    from_seq: int,
+    *,
+    principal: Principal,
+    read_model: ReadModel,
+    ledger: SubmitLedger,
+    live: LiveEvents,
+    policy: StreamPolicy,
+    is_active: Callable[[], bool],
+    sleep: Callable[[float], None] = time.sleep,
+    monotonic: Callable[[], float] = time.monotonic,
+) -> Iterator[EventView]:
+    """The run's events from from_seq, each exactly once and in order, until the terminal event.
+
+    The read model is the truth and the live feed a wake-up: the feed position is taken
+    before the catch-up query, so an event committed during catch-up is seen on the feed
+    (and dropped there if catch-up already sent it); a seq that arrives ahead of the next
+    one owed makes the stream fetch the missing range from the read model first; a quiet
+    feed makes it re-check the read model, so a lost live publish delays an event but
+    never loses it. Raises StreamResumeRequired if a seen seq stays missing from the read
+    model (the client resumes from the next seq it is owed).
+    """
+    principal.require(ROLE_MEMBER)
+    if from_seq < 0:
+        raise InvalidArgument(FieldViolation("from_seq", "must not be negative"))
+    tenant = principal.tenant_id
+    view = _visible_run(tenant, run_id, read_model, ledger)
+    gate = SeqGate(from_seq)
+    if view.status.finished and view.last_seq and gate.next_seq > view.last_seq:
+        return  # resuming after the terminal event: nothing more will come
+    cursor = live.position(run_id)
+
+    def catch_up() -> Iterator[EventView]:
+        while not gate.done:
+            page = read_model.events(tenant, run_id, gate.next_seq, policy.page)
+            for ev in page:
+                if gate.offer(ev.seq) is not Offer.NEXT:
+                    return  # a hole in the read model: wait for the live feed or the next poll
+                gate.sent(ev)
+                yield ev
+                if gate.done:
+                    return
+            if len(page) < policy.page:
+                return
+
+    yield from catch_up()
+    while not gate.done and is_active():
+        entries, cursor = live.read(run_id, cursor, policy.block_ms)
+        if not entries:
+            yield from catch_up()
+            continue
+        for entry in entries:
+            offer = gate.offer(entry.seq)
+            if offer is Offer.SEEN:
+                continue
+            if offer is Offer.AHEAD or entry.event is None:
+                yield from _fill(gate, entry.seq - (0 if entry.event is None else 1), catch_up, policy,
+                                 sleep, monotonic, run_id)
+                if gate.offer(entry.seq) is Offer.SEEN:
+                    continue
+            if entry.event is not None and gate.offer(entry.seq) is Offer.NEXT:
+                gate.sent(entry.event)
+                yield entry.event
+            if gate.done:
+                return
+
+
+def _fill(
+    gate: SeqGate,
+    through_seq: int,
+    catch_up: Callable[[], Iterator[EventView]],
+    policy: StreamPolicy,
+    sleep: Callable[[float], None],
+    monotonic: Callable[[], float],
+    run_id: str,
+) -> Iterator[EventView]:
+    """Send every seq up to through_seq from the read model, waiting briefly for the projector."""
+    deadline = monotonic() + policy.gap_wait_s
+    while gate.next_seq <= through_seq and not gate.done:
+        before = gate.next_seq
+        yield from catch_up()
+        if gate.next_seq > through_seq or gate.done:
+            return
+        if gate.next_seq == before and monotonic() >= deadline:
+            raise StreamResumeRequired(run_id, gate.next_seq)
+        sleep(policy.gap_poll_s)
+
+
+# -- approvals ----------------------------------------------------------------------------------
+
+
+def list_approvals(
+    status: str,
+    run_id: str,
+    size: int,
+    token: str,
+    *,
+    principal: Principal,
+    read_model: ReadModel,
+) -> tuple[list[ApprovalView], str]:
+    """A page of the tenant's approvals in `status` (default PENDING), oldest request first."""
+    principal.require(ROLE_MEMBER)
+    status = status or "PENDING"
+    violations = []
+    if status not in APPROVAL_STATUSES:
+        violations.append(FieldViolation("status", f"must be one of {', '.join(APPROVAL_STATUSES)}"))
+    if run_id:
+        violations += check_run_id(run_id)
+    if violations:
+        raise InvalidArgument(violations)
+    limit = page_size(size)
+    listing = f"approvals:{status}:{run_id}"
+    after = decode_token(token, listing)
+    if after is not None and not (isinstance(after, list) and len(after) == 2):
+        raise InvalidArgument(FieldViolation("page_token", "malformed"))
+    key = (int(after[0]), str(after[1])) if after else None
+    rows = read_model.list_approvals(principal.tenant_id, status, run_id or None, key, limit + 1)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, encode_token(listing, [rows[-1].requested_at_ms, rows[-1].approval_id]) if more else ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """An approver's decision as sent."""
+
+    approval_id: str
+    args_hash: str
+    approve: bool
+    comment: str = ""
+
+
+def decide_approval(
+    decision: Decision,
+    *,
+    principal: Principal,
+    now_ms: int,
+    read_model: ReadModel,
+    ledger: SubmitLedger,
+    catalog: Catalog,
+    publisher: CommandPublisher,
+    partitioning: Partitioning,
+    traceparent: str | None = None,
+) -> ApprovalView:
+    """Check what can be checked now (the approval is the tenant's, pending, for these args) and
+    produce a DecideApproval command; the approval service makes the binding decision."""
+    principal.require(ROLE_APPROVER)
+    violations = []
+    if not decision.approval_id or len(decision.approval_id) > 128:
+        violations.append(FieldViolation("approval_id", "must be 1-128 characters"))
+    if len(decision.args_hash) != 64 or not set(decision.args_hash) <= _HEX64:
+        violations.append(FieldViolation("args_hash", "must be the 64-character lowercase hex sha256 of the args"))
+    if len(decision.comment) > 4000:
+        violations.append(FieldViolation("comment", "must be at most 4000 characters"))
+    if violations:
+        raise InvalidArgument(violations)
+    tenant = principal.tenant_id
+    approval = read_model.get_approval(tenant, decision.approval_id)
+    if approval is None:
+        raise ApprovalNotFound(decision.approval_id)
+    status = approval.effective_status(now_ms)
+    if status != "PENDING":
+        raise ApprovalNotPending(decision.approval_id, status)
+    if approval.args_hash != decision.args_hash:
+        raise ArgsHashMismatch(decision.approval_id)
+    command = DecideApproval(
+        approval_id=approval.approval_id,
+        call_id=approval.call_id,
+        args_hash=decision.args_hash,
+        approver_id=principal.principal_id,
+        approver_roles=sorted(principal.roles),
+        approve=decision.approve,
+        comment=decision.comment,
+    )
+    envelope = make_envelope(
+        command,
+        run_id=approval.run_id,
+        tenant_id=tenant,
+        event_id=derived_id(approval.run_id, "DecideApproval", approval.approval_id, principal.principal_id,
+                            decision.approve),
+        producer=PRODUCER,
+        recorded_at_ms=now_ms,
+        traceparent=traceparent,
+    )
+    publisher.publish(envelope, _run_partition(tenant, approval.run_id, ledger, catalog, partitioning))
+    return replace(
+        approval,
+        status="APPROVED" if decision.approve else "REJECTED",
+        decided_by=principal.principal_id,
+        decided_at_ms=now_ms,
+        comment=decision.comment,
+    )

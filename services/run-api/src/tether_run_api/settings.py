@@ -1,0 +1,39 @@
+"""The run-api's settings (env prefix TETHER_RUN_API_; infrastructure from the shared TETHER_* names)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from tether_runtime.settings import ServiceSettings
+
+MIB = 1024 * 1024
+
+
+class RunApiSettings(ServiceSettings):
+    """Everything the run-api's composition root needs; read once, in tether_run_api.__main__."""
+
+    model_config = SettingsConfigDict(env_prefix="TETHER_RUN_API_", extra="ignore", populate_by_name=True)
+
+    host: str = Field("127.0.0.1", description="gRPC listen address (loopback unless deployed).")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 = ephemeral.")
+    grpc_workers: int = Field(64, ge=4, description="Threads serving RPCs (each open event stream holds one).")
+    max_streams: int = Field(32, ge=1, description="Concurrent StreamRunEvents calls; more get RESOURCE_EXHAUSTED.")
+    max_request_bytes: int = Field(MIB, ge=1024, description="Largest request handled (REQUEST_TOO_LARGE above).")
+    max_receive_message_bytes: int = Field(
+        4 * MIB, ge=1024, description="gRPC transport ceiling; larger messages are refused before any handler runs."
+    )
+    max_send_message_bytes: int = Field(16 * MIB, ge=1024, description="Largest response (traces can be big).")
+    max_goal_chars: int = Field(32_000, ge=1, description="Longest goal a run may have.")
+    max_trace_events: int = Field(10_000, ge=1, description="Most events one GetRunTrace returns.")
+    submit_rate_per_s: float = Field(20.0, gt=0, description="Per-tenant submit rate of this replica.")
+    submit_burst: int = Field(40, ge=1, description="Per-tenant submit burst of this replica.")
+    auth_cache_s: float = Field(10.0, ge=0, description="How long a key lookup is cached (revocation delay).")
+    pg_schema: str = Field("run_api", description="PostgreSQL schema of the catalog, keys and submit ledger.")
+    read_model_schema: str = Field("read_model", description="The projector's read model schema.")
+    pg_pool_size: int = Field(16, ge=1, description="PostgreSQL connections.")
+    live_key_prefix: str = Field("", description="Prefix of the projector's Redis Stream keys.")
+    stream_block_ms: int = Field(1000, ge=10, description="Longest wait on the live feed before polling the read model.")
+    stream_gap_wait_s: float = Field(5.0, gt=0, description="How long a seq seen live may be missing from the read model.")
+    delivery_timeout_ms: int = Field(10_000, ge=1000, description="How long a command may wait for Kafka's ack.")
+    declare_topics: bool = Field(True, description="Declare Tether's topics at start-up (idempotent).")
