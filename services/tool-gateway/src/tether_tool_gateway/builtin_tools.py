@@ -1,0 +1,155 @@
+"""The built-in tools' argument schemas and default ToolSpecs, in one place (run-api registers them for the demo).
+
+Data only: importing this module pulls in no HTTP or SMTP code. The executor that runs them
+is `tether_tool_gateway.executors.builtin.BuiltinExecutor` (executor_kind "builtin"); the
+spec's executor_config_json says which built-in and where its service is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from tether_contracts.records import RiskClass, ToolSpec
+
+EXECUTOR_KIND = "builtin"
+
+HTTP_GET = "http_get"
+KV_PUT = "kv_put"
+KV_GET = "kv_get"
+SEND_EMAIL = "send_email"
+BUILTIN_TOOL_NAMES = (HTTP_GET, KV_PUT, KV_GET, SEND_EMAIL)
+
+_KEY = {"type": "string", "minLength": 1, "maxLength": 256, "pattern": "^[A-Za-z0-9._:/-]+$"}
+
+HTTP_GET_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "properties": {
+        "url": {"type": "string", "minLength": 8, "maxLength": 2048, "pattern": "^https?://"},
+    },
+    "required": ["url"],
+    "additionalProperties": False,
+}
+
+KV_PUT_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "properties": {"key": _KEY, "value": {"description": "Any JSON value."}},
+    "required": ["key", "value"],
+    "additionalProperties": False,
+}
+
+KV_GET_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "properties": {"key": _KEY},
+    "required": ["key"],
+    "additionalProperties": False,
+}
+
+SEND_EMAIL_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "properties": {
+        "to": {"type": "string", "maxLength": 254, "pattern": "^[^@\\s<>,;]+@[^@\\s<>,;]+\\.[^@\\s<>,;]+$"},
+        "subject": {"type": "string", "minLength": 1, "maxLength": 200, "pattern": "^[^\\r\\n]*$"},
+        "body": {"type": "string", "maxLength": 20000},
+    },
+    "required": ["to", "subject", "body"],
+    "additionalProperties": False,
+}
+
+ARGS_SCHEMAS: dict[str, dict[str, Any]] = {
+    HTTP_GET: HTTP_GET_SCHEMA,
+    KV_PUT: KV_PUT_SCHEMA,
+    KV_GET: KV_GET_SCHEMA,
+    SEND_EMAIL: SEND_EMAIL_SCHEMA,
+}
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def http_get_spec(allow_hosts: Sequence[str], *, max_body_bytes: int = 1024 * 1024, timeout_ms: int = 10_000,
+                  version: int = 1) -> ToolSpec:
+    """GET a URL on an allowlisted host. Read-only; its output is untrusted content."""
+    return ToolSpec(
+        name=HTTP_GET,
+        version=version,
+        description="Fetch a web page or JSON document with HTTP GET. Only some hosts are reachable; "
+                    "redirects to other hosts are not followed. Returns status, content type and body text.",
+        args_schema_json=_json(HTTP_GET_SCHEMA),
+        risk_class=RiskClass.READ_ONLY,
+        idempotent=True,
+        untrusted_source=True,
+        executor_kind=EXECUTOR_KIND,
+        executor_config_json=_json({"builtin": HTTP_GET, "allow_hosts": sorted({h.lower() for h in allow_hosts}),
+                                    "max_body_bytes": max_body_bytes}),
+        timeout_ms=timeout_ms,
+        egress=False,
+    )
+
+
+def kv_put_spec(kv_url: str, *, timeout_ms: int = 10_000, version: int = 1) -> ToolSpec:
+    """Write a key in the KV store; the call's idem_key is sent as Idempotency-Key, so it is idempotent."""
+    return ToolSpec(
+        name=KV_PUT,
+        version=version,
+        description="Store a JSON value under a key in the key-value store (overwrites the key).",
+        args_schema_json=_json(KV_PUT_SCHEMA),
+        risk_class=RiskClass.WRITE,
+        idempotent=True,
+        untrusted_source=False,
+        executor_kind=EXECUTOR_KIND,
+        executor_config_json=_json({"builtin": KV_PUT, "base_url": kv_url.rstrip("/")}),
+        timeout_ms=timeout_ms,
+    )
+
+
+def kv_get_spec(kv_url: str, *, timeout_ms: int = 10_000, version: int = 1) -> ToolSpec:
+    """Read a key from the KV store."""
+    return ToolSpec(
+        name=KV_GET,
+        version=version,
+        description="Read the JSON value stored under a key in the key-value store.",
+        args_schema_json=_json(KV_GET_SCHEMA),
+        risk_class=RiskClass.READ_ONLY,
+        idempotent=True,
+        untrusted_source=False,
+        executor_kind=EXECUTOR_KIND,
+        executor_config_json=_json({"builtin": KV_GET, "base_url": kv_url.rstrip("/")}),
+        timeout_ms=timeout_ms,
+    )
+
+
+def send_email_spec(smtp_host: str, smtp_port: int, from_addr: str, *, timeout_ms: int = 15_000,
+                    version: int = 1) -> ToolSpec:
+    """Send an email over SMTP. Irreversible (contacts people) and not idempotent."""
+    return ToolSpec(
+        name=SEND_EMAIL,
+        version=version,
+        description="Send a plain-text email to one recipient. Needs a human approval before it is sent.",
+        args_schema_json=_json(SEND_EMAIL_SCHEMA),
+        risk_class=RiskClass.IRREVERSIBLE,
+        idempotent=False,
+        untrusted_source=False,
+        executor_kind=EXECUTOR_KIND,
+        executor_config_json=_json({"builtin": SEND_EMAIL, "smtp_host": smtp_host, "smtp_port": smtp_port,
+                                    "from_addr": from_addr}),
+        timeout_ms=timeout_ms,
+        egress=True,
+    )
+
+
+def builtin_tool_specs(*, kv_url: str, smtp_host: str, smtp_port: int, email_from: str,
+                       http_allow_hosts: Sequence[str]) -> list[ToolSpec]:
+    """The default ToolSpecs of every built-in tool, pointing at the given services."""
+    return [
+        http_get_spec(http_allow_hosts),
+        kv_put_spec(kv_url),
+        kv_get_spec(kv_url),
+        send_email_spec(smtp_host, smtp_port, email_from),
+    ]

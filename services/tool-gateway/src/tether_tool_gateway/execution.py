@@ -1,0 +1,288 @@
+"""Running a tool call safely: ledger intent first, execution with a timeout and a heartbeat, result after.
+
+Everything here runs on worker threads (started with `Context.start_work`), never on the loop
+thread. It returns an `Outcome`; the handlers turn outcomes into events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import structlog
+
+from tether_contracts.records import BlobRef, ToolSpec
+from tether_messaging.blobstore import BlobStore
+from tether_tool_gateway.domain.canonical import canonical_json
+from tether_tool_gateway.domain.errors import ToolError
+from tether_tool_gateway.domain.results import Placement, ResultLimits
+from tether_tool_gateway.ledger.port import (
+    Busy,
+    Execute,
+    IdempotencyLedger,
+    Intent,
+    IntentMismatch,
+    Owner,
+    Resolution,
+    ResolutionStatus,
+    Resolved,
+)
+from tether_tool_gateway.ports import (
+    ExecutionRequest,
+    Executor,
+    MappingSecretProvider,
+    PassthroughRedactor,
+    Redactor,
+    SecretProvider,
+)
+
+log = structlog.get_logger("tether_tool_gateway.execution")
+
+_DETAIL_MAX = 1000
+
+
+# -- outcomes ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CallRef:
+    """Which call an outcome is about (everything an outcome event needs to name it)."""
+
+    run_id: str
+    tenant_id: str
+    partition: int
+    step: int
+    call_id: str
+    idem_key: str
+    tool_name: str
+
+    @classmethod
+    def of(cls, intent: Intent) -> CallRef:
+        return cls(intent.run_id, intent.tenant_id, intent.partition, intent.step, intent.call_id,
+                   intent.idem_key, intent.tool_name)
+
+
+@dataclass(frozen=True)
+class Completed:
+    call: CallRef
+    result_json: str | None
+    result_ref: BlobRef | None
+    untrusted: bool
+    duration_ms: int
+    replayed: bool
+
+
+@dataclass(frozen=True)
+class Failed:
+    call: CallRef
+    error_code: str
+    detail: str
+    retryable: bool
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """A non-idempotent call's intent has no result: the run waits for a human."""
+
+    call: CallRef
+    detail: str
+
+
+@dataclass(frozen=True)
+class Pending:
+    """No outcome yet (another claimant holds the call); nothing to emit, look again later."""
+
+    call: CallRef
+    reason: str
+
+
+Outcome = Completed | Failed | Unknown | Pending
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """What a recovery sweep of one partition took over."""
+
+    partition: int
+    resolved: list[Outcome]  # OUTCOME_UNKNOWN resolutions to emit
+    to_resume: list[Execute]  # idempotent intents now leased to us: re-execute each with `resume`
+
+
+def outcome_of(call: CallRef, resolution: Resolution, *, replayed: bool) -> Outcome:
+    """The outcome a ledger resolution stands for."""
+    if resolution.status is ResolutionStatus.COMPLETED:
+        return Completed(call, resolution.result_json, resolution.result_ref, resolution.untrusted,
+                         resolution.duration_ms, replayed)
+    if resolution.status is ResolutionStatus.FAILED:
+        return Failed(call, resolution.error_code or "TOOL_ERROR", resolution.detail, resolution.retryable)
+    return Unknown(call, resolution.detail)
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _DETAIL_MAX else text[: _DETAIL_MAX - 1] + "…"
+
+
+def tool_spec_json(tool: ToolSpec) -> str:
+    """A ToolSpec snapshot as stored in the ledger intent."""
+    return json.dumps(tool.to_avro(), sort_keys=True)
+
+
+# -- the runner --------------------------------------------------------------------------------
+class ToolRunner:
+    """Executes tool calls under the idempotency ledger's rules (see ledger.port)."""
+
+    def __init__(
+        self,
+        *,
+        ledger: IdempotencyLedger,
+        executors: Mapping[str, Executor],
+        blobs: BlobStore,
+        owner: Owner,
+        secrets: SecretProvider | None = None,
+        redactor: Redactor | None = None,
+        limits: ResultLimits = ResultLimits(),
+        lease_ms: int = 30_000,
+        heartbeat_ms: int = 10_000,
+        max_parallel: int = 16,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ledger = ledger
+        self.owner = owner
+        self._executors = dict(executors)
+        self._blobs = blobs
+        self._secrets = secrets or MappingSecretProvider()
+        self._redactor = redactor or PassthroughRedactor()
+        self._limits = limits
+        self.lease_ms = lease_ms
+        self._heartbeat_s = heartbeat_ms / 1000
+        self._monotonic = monotonic
+        # Executions run on their own threads so the worker waiting for one can heartbeat the
+        # lease and give up at the tool's timeout (a timed-out execution is abandoned, not killed).
+        self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="tool-exec")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def run(self, intent: Intent, tool: ToolSpec) -> Outcome:
+        """Execute a decided call once: claim its intent, then execute, replay or wait."""
+        call = CallRef.of(intent)
+        executor = self._executors.get(tool.executor_kind)
+        if executor is None:
+            return Failed(call, "EXECUTOR_UNAVAILABLE", f"no executor for kind {tool.executor_kind!r}", False)
+        try:
+            claim = self.ledger.claim(intent, self.owner, self.lease_ms)
+        except IntentMismatch as exc:
+            return Failed(call, "TOOL_ERROR", str(exc), False)
+        if isinstance(claim, Resolved):
+            return outcome_of(call, claim.resolution, replayed=not claim.by_this_claim)
+        if isinstance(claim, Busy):
+            return Pending(call, "another gateway instance holds the call's lease")
+        return self._execute(claim, tool, executor)
+
+    def resume(self, claim: Execute) -> Outcome:
+        """Re-execute an idempotent intent a sweep took over (the lease is already ours)."""
+        intent = claim.record.intent
+        tool = ToolSpec.from_avro(json.loads(intent.tool_spec_json))
+        executor = self._executors.get(tool.executor_kind)
+        if executor is None:
+            resolution = Resolution(ResolutionStatus.FAILED, error_code="EXECUTOR_UNAVAILABLE",
+                                    detail=f"no executor for kind {tool.executor_kind!r}")
+            return self._complete(claim, resolution)
+        return self._execute(claim, tool, executor)
+
+    def sweep(self, partition: int, limit: int = 100) -> SweepResult:
+        """Take over this partition's unresolved intents whose lease expired."""
+        resolved: list[Outcome] = []
+        to_resume: list[Execute] = []
+        for claim in self.ledger.sweep(self.owner, self.lease_ms, partitions=[partition], limit=limit):
+            if isinstance(claim, Execute):
+                to_resume.append(claim)
+            elif isinstance(claim, Resolved):
+                resolved.append(outcome_of(CallRef.of(claim.record.intent), claim.resolution, replayed=False))
+        if resolved or to_resume:
+            log.info("sweep_took_over", partition=partition, unknown=len(resolved), re_execute=len(to_resume))
+        return SweepResult(partition, resolved, to_resume)
+
+    # -- execution -----------------------------------------------------------------------------
+    def _execute(self, claim: Execute, tool: ToolSpec, executor: Executor) -> Outcome:
+        intent = claim.record.intent
+        request = ExecutionRequest(
+            tool=tool,
+            args=json.loads(intent.args_json),
+            idem_key=intent.idem_key,
+            run_id=intent.run_id,
+            tenant_id=intent.tenant_id,
+            call_id=intent.call_id,
+            attempt=claim.attempt,
+            timeout_s=tool.timeout_ms / 1000,
+        )
+        log.info("tool_executing", run_id=intent.run_id, call_id=intent.call_id, tool=tool.name,
+                 attempt=claim.attempt, resumed=claim.resumed)
+        started = self._monotonic()
+        deadline = started + request.timeout_s
+        future = self._pool.submit(executor.execute, request, self._secrets)
+        while True:
+            remaining = deadline - self._monotonic()
+            if remaining <= 0:
+                future.cancel()
+                resolution = Resolution(ResolutionStatus.FAILED, error_code="TIMEOUT",
+                                        detail=f"the tool did not finish within {tool.timeout_ms} ms",
+                                        retryable=tool.idempotent)
+                break
+            try:
+                value = future.result(timeout=min(remaining, self._heartbeat_s))
+            except FutureTimeout:
+                if not self._heartbeat(intent.idem_key, claim.token):
+                    # Someone took the call over (our lease lapsed); they resolve it.
+                    return Pending(CallRef.of(intent), "lease lost while executing")
+                continue
+            except ToolError as exc:
+                resolution = Resolution(ResolutionStatus.FAILED, error_code=exc.code,
+                                        detail=_short(self._redactor.redact(exc.detail)), retryable=exc.retryable)
+                break
+            except Exception as exc:  # an executor bug or an unexpected library error
+                detail = _short(self._redactor.redact(f"{type(exc).__name__}: {exc}"))
+                resolution = Resolution(ResolutionStatus.FAILED, error_code="TOOL_ERROR", detail=detail,
+                                        retryable=tool.idempotent)
+                break
+            resolution = self._shape(value, tool)
+            break
+        duration_ms = int((self._monotonic() - started) * 1000)
+        return self._complete(claim, dataclasses.replace(resolution, duration_ms=duration_ms))
+
+    def _heartbeat(self, idem_key: str, token: str) -> bool:
+        try:
+            return self.ledger.heartbeat(idem_key, token, self.lease_ms)
+        except Exception as exc:  # a ledger hiccup: keep executing, the next heartbeat may pass
+            log.warning("heartbeat_failed", idem_key=idem_key, error=f"{type(exc).__name__}: {exc}")
+            return True
+
+    def _shape(self, value: object, tool: ToolSpec) -> Resolution:
+        """Canonical JSON → redaction → inline, claim check, or refused as oversized."""
+        try:
+            text = canonical_json(value)
+        except (TypeError, ValueError) as exc:
+            return Resolution(ResolutionStatus.FAILED, error_code="INVALID_RESULT",
+                              detail=_short(f"the tool's result is not JSON: {exc}"))
+        text = self._redactor.redact(text)
+        data = text.encode("utf-8")
+        placement = self._limits.place(len(data))
+        if placement is Placement.OVERSIZED:
+            return Resolution(ResolutionStatus.FAILED, error_code="OVERSIZED_RESULT",
+                              detail=f"the result is {len(data)} bytes; the limit is {self._limits.max_bytes}")
+        if placement is Placement.BLOB:
+            ref = self._blobs.put(data, "application/json")
+            return Resolution(ResolutionStatus.COMPLETED, result_ref=ref, untrusted=tool.untrusted_source)
+        return Resolution(ResolutionStatus.COMPLETED, result_json=text, untrusted=tool.untrusted_source)
+
+    def _complete(self, claim: Execute, resolution: Resolution) -> Outcome:
+        call = CallRef.of(claim.record.intent)
+        completion = self.ledger.complete(call.idem_key, claim.token, resolution)
+        if completion.recorded:
+            return outcome_of(call, resolution, replayed=False)
+        if completion.resolution is not None:
+            return outcome_of(call, completion.resolution, replayed=True)
+        return Pending(call, "another claimant holds the call")

@@ -1,0 +1,1 @@
+"""Executors, one per executor_kind."""

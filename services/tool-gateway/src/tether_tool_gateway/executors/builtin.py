@@ -1,0 +1,196 @@
+"""Executor for executor_kind 'builtin': http_get, kv_put, kv_get, send_email (see builtin_tools)."""
+
+from __future__ import annotations
+
+import json
+import smtplib
+import socket
+from collections.abc import Callable
+from email.message import EmailMessage
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from tether_tool_gateway.builtin_tools import HTTP_GET, KV_GET, KV_PUT, SEND_EMAIL
+from tether_tool_gateway.domain.errors import EgressDenied, InvalidToolResult, ToolError
+from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
+
+MAX_REDIRECTS = 5
+
+Builtin = Callable[[ExecutionRequest, dict[str, Any]], Any]
+
+
+def _config(request: ExecutionRequest) -> dict[str, Any]:
+    try:
+        config = json.loads(request.tool.executor_config_json)
+    except json.JSONDecodeError as exc:
+        raise ToolError("EXECUTOR_UNAVAILABLE", f"executor_config_json is not JSON: {exc.msg}") from exc
+    if not isinstance(config, dict):
+        raise ToolError("EXECUTOR_UNAVAILABLE", "executor_config_json must be a JSON object")
+    return config
+
+
+def _require(config: dict[str, Any], name: str) -> Any:
+    if name not in config:
+        raise ToolError("EXECUTOR_UNAVAILABLE", f"executor config has no {name!r}")
+    return config[name]
+
+
+def _timeout(request: ExecutionRequest) -> httpx.Timeout:
+    return httpx.Timeout(request.timeout_s)
+
+
+def _transport_error(exc: httpx.HTTPError) -> ToolError:
+    if isinstance(exc, httpx.TimeoutException):
+        return ToolError("TIMEOUT", f"{type(exc).__name__}: {exc}", retryable=True)
+    return ToolError("TOOL_ERROR", f"{type(exc).__name__}: {exc}", retryable=True)
+
+
+# -- http_get ----------------------------------------------------------------------------------
+def http_get(request: ExecutionRequest, config: dict[str, Any]) -> dict[str, Any]:
+    """GET `url` if its host is allowlisted; follow redirects only within the same host; cap the body."""
+    allow = {h.lower() for h in config.get("allow_hosts", [])}
+    max_body = int(config.get("max_body_bytes", 1024 * 1024))
+    try:
+        url = httpx.URL(request.args["url"])
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise ToolError("TOOL_ERROR", f"invalid url: {exc}") from exc
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ToolError("TOOL_ERROR", "only absolute http(s) URLs can be fetched")
+    if url.host.lower() not in allow:
+        raise EgressDenied(url.host)
+    origin = (url.scheme, url.host.lower(), url.port)
+    with httpx.Client(timeout=_timeout(request), follow_redirects=False, trust_env=False) as client:
+        for _ in range(MAX_REDIRECTS + 1):
+            try:
+                with client.stream("GET", url) as response:
+                    location = response.headers.get("location")
+                    if response.is_redirect and location:
+                        target = url.join(location)
+                        if (target.scheme, (target.host or "").lower(), target.port) != origin:
+                            return _page(url, response, b"", False, redirect_not_followed=str(target))
+                        url = target
+                        continue
+                    body, truncated = _read_capped(response, max_body)
+                    return _page(url, response, body, truncated)
+            except httpx.HTTPError as exc:
+                raise _transport_error(exc) from exc
+    raise ToolError("TOOL_ERROR", f"more than {MAX_REDIRECTS} redirects")
+
+
+def _read_capped(response: httpx.Response, max_body: int) -> tuple[bytes, bool]:
+    chunks: list[bytes] = []
+    size = 0
+    for chunk in response.iter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > max_body:
+            return b"".join(chunks)[:max_body], True
+    return b"".join(chunks), False
+
+
+def _page(url: httpx.URL, response: httpx.Response, body: bytes, truncated: bool,
+          redirect_not_followed: str | None = None) -> dict[str, Any]:
+    page: dict[str, Any] = {
+        "url": str(url),
+        "status": response.status_code,
+        "content_type": response.headers.get("content-type", ""),
+        "body": body.decode(response.encoding or "utf-8", errors="replace"),
+        "truncated": truncated,
+    }
+    if redirect_not_followed is not None:
+        page["redirect_not_followed"] = redirect_not_followed
+    return page
+
+
+# -- kv ----------------------------------------------------------------------------------------
+def _kv_url(config: dict[str, Any], key: str) -> str:
+    return f"{str(_require(config, 'base_url')).rstrip('/')}/kv/{quote(key, safe='')}"
+
+
+def _json_body(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidToolResult(f"the KV store answered {response.status_code} with a body that is not JSON") from exc
+
+
+def _kv_error(response: httpx.Response) -> ToolError:
+    retryable = response.status_code >= 500
+    return ToolError("TOOL_ERROR", f"the KV store answered HTTP {response.status_code}", retryable=retryable)
+
+
+def kv_put(request: ExecutionRequest, config: dict[str, Any]) -> dict[str, Any]:
+    """PUT the value, with the call's idem_key as Idempotency-Key so a re-run is applied once."""
+    key = request.args["key"]
+    try:
+        response = httpx.put(_kv_url(config, key), json={"value": request.args["value"]},
+                             headers={"Idempotency-Key": request.idem_key}, timeout=_timeout(request), trust_env=False)
+    except httpx.HTTPError as exc:
+        raise _transport_error(exc) from exc
+    if response.status_code != 200:
+        raise _kv_error(response)
+    body = _json_body(response)
+    if not isinstance(body, dict) or "version" not in body:
+        raise InvalidToolResult("the KV store's answer has no version")
+    return {"key": key, "version": body["version"],
+            "deduplicated": response.headers.get("idempotent-replayed") == "true"}
+
+
+def kv_get(request: ExecutionRequest, config: dict[str, Any]) -> dict[str, Any]:
+    key = request.args["key"]
+    try:
+        response = httpx.get(_kv_url(config, key), timeout=_timeout(request), trust_env=False)
+    except httpx.HTTPError as exc:
+        raise _transport_error(exc) from exc
+    if response.status_code == 404:
+        return {"key": key, "found": False}
+    if response.status_code != 200:
+        raise _kv_error(response)
+    body = _json_body(response)
+    if not isinstance(body, dict) or "value" not in body:
+        raise InvalidToolResult("the KV store's answer has no value")
+    return {"key": key, "found": True, "value": body["value"], "version": body.get("version")}
+
+
+# -- send_email --------------------------------------------------------------------------------
+def send_email(request: ExecutionRequest, config: dict[str, Any]) -> dict[str, Any]:
+    """Send one plain-text message. The idem_key goes in Message-ID and X-Idempotency-Key so a
+    receiving system could deduplicate, but SMTP itself cannot: the tool is not idempotent."""
+    msg = EmailMessage()
+    msg["From"] = _require(config, "from_addr")
+    msg["To"] = request.args["to"]
+    msg["Subject"] = request.args["subject"]
+    msg["Message-ID"] = f"<{request.idem_key}@tether.invalid>"
+    msg["X-Idempotency-Key"] = request.idem_key
+    msg.set_content(request.args["body"])
+    try:
+        with smtplib.SMTP(_require(config, "smtp_host"), int(_require(config, "smtp_port")),
+                          timeout=request.timeout_s) as smtp:
+            refused = smtp.send_message(msg)
+    except (socket.timeout, TimeoutError) as exc:
+        raise ToolError("TIMEOUT", f"SMTP timed out: {exc}") from exc
+    except (smtplib.SMTPException, OSError) as exc:
+        raise ToolError("TOOL_ERROR", f"SMTP failed: {type(exc).__name__}: {exc}") from exc
+    if refused:
+        raise ToolError("TOOL_ERROR", f"recipients refused: {sorted(refused)}")
+    return {"to": request.args["to"], "message_id": msg["Message-ID"], "sent": True}
+
+
+BUILTINS: dict[str, Builtin] = {HTTP_GET: http_get, KV_PUT: kv_put, KV_GET: kv_get, SEND_EMAIL: send_email}
+
+
+class BuiltinExecutor:
+    """Runs the built-in tools; the tool's executor config names which one ("builtin")."""
+
+    def __init__(self, builtins: dict[str, Builtin] | None = None) -> None:
+        self._builtins = dict(BUILTINS if builtins is None else builtins)
+
+    def execute(self, request: ExecutionRequest, secrets: SecretProvider) -> Any:
+        config = _config(request)
+        name = config.get("builtin", request.tool.name)
+        fn = self._builtins.get(name)
+        if fn is None:
+            raise ToolError("EXECUTOR_UNAVAILABLE", f"no built-in tool named {name!r}")
+        return fn(request, config)
