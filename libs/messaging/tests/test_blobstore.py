@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,10 +17,6 @@ from tether_messaging.blobstore import (
 )
 
 
-def _pg_dsn() -> str:
-    return os.environ.get("TETHER_PG_DSN", "postgresql://tether@127.0.0.1:5432/tether")
-
-
 @pytest.fixture
 def memory_store():
     store = InMemoryBlobStore()
@@ -34,11 +28,11 @@ def memory_store():
 
 
 @pytest.fixture
-def postgres_store():
+def postgres_store(pg_schema):
     from psycopg_pool import ConnectionPool
 
-    schema = f"blobs_test_{uuid.uuid4().hex[:12]}"
-    pool = ConnectionPool(_pg_dsn(), min_size=1, max_size=4, open=True)
+    schema = pg_schema.name
+    pool = ConnectionPool(pg_schema.base_dsn, min_size=1, max_size=4, open=True)
     store = PostgresBlobStore(pool, schema=schema)
     store.ensure_schema()
     store.ensure_schema()  # idempotent
@@ -50,8 +44,6 @@ def postgres_store():
     try:
         yield store, corrupt
     finally:
-        with pool.connection() as conn:
-            conn.execute(f"DROP SCHEMA {schema} CASCADE")
         pool.close()
 
 

@@ -33,7 +33,7 @@ from tether_tool_gateway.execution import ToolRunner
 from tether_tool_gateway.handlers import Deps
 from tether_tool_gateway.ledger import Owner
 from tether_tool_gateway.ports import ExecutionRequest, Executor, SecretProvider
-from tether_tool_gateway.processor import GatewayProcessor
+from tether_tool_gateway.entrypoint import GatewayProcessor
 from tether_tool_gateway.testing import InMemoryLedger
 
 TOPICS = Topics()

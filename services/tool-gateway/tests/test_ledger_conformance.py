@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -57,13 +55,12 @@ def memory_ledger():
 
 
 @pytest.fixture
-def postgres_ledger():
+def postgres_ledger(pg_schema):
     from psycopg_pool import ConnectionPool
 
     from tether_tool_gateway.ledger.postgres import PostgresLedger
 
-    dsn = os.environ.get("TETHER_PG_DSN", "postgresql://tether@127.0.0.1:5432/tether")
-    schema = f"gateway_test_{uuid.uuid4().hex[:12]}"
+    dsn, schema = pg_schema.base_dsn, pg_schema.name
     pools = []
 
     def make():
@@ -77,8 +74,6 @@ def postgres_ledger():
     try:
         yield make
     finally:
-        with pools[0].connection() as conn:
-            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
         for pool in pools:
             pool.close()
 

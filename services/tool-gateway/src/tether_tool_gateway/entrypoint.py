@@ -21,7 +21,7 @@ from tether_tool_gateway.handlers import (
     sweep_work_key,
 )
 
-log = structlog.get_logger("tether_tool_gateway.processor")
+log = structlog.get_logger("tether_tool_gateway.entrypoint")
 
 NAME = "tool-gateway"
 SWEEP_RUN_ID = "__gateway_sweep__"  # sweep work belongs to no run; run ids never look like this
