@@ -17,6 +17,8 @@ SCHEMA_ROOT = REPO_ROOT / "schemas"
 PACKAGE_DIR = Path(__file__).resolve().parent
 GENERATED_MODULE = PACKAGE_DIR / "records.py"
 BUNDLED_SCHEMAS = PACKAGE_DIR / "avsc"
+#: Directory (under a schema root) holding released snapshots: released/<release>/<same tree>.
+RELEASED_DIR = "released"
 
 # Shared named types must be defined before the records that use them.
 _KIND_ORDER = {"types": 0, "envelope": 1, "commands": 2, "events": 3}
@@ -67,10 +69,11 @@ def _defined(node, found: set[str], namespace: str = "") -> set[str]:
 def schema_files(root: Path = SCHEMA_ROOT) -> list[Path]:
     """The current schema files, each after the files defining the names it uses.
 
-    Released snapshots (schemas/released/) are excluded: they are only for the compatibility gate.
+    Released snapshots (`released/` under the root) are excluded: the compatibility gate and the
+    bundled writer schemas read them separately.
     """
     files = sorted(
-        (p for p in root.rglob("*.avsc") if "released" not in p.parts),
+        (p for p in root.rglob("*.avsc") if RELEASED_DIR not in p.relative_to(root).parts),
         key=lambda p: (_KIND_ORDER.get(p.parent.name, 9), p.as_posix()),
     )
     info = {}
@@ -93,6 +96,18 @@ def schema_files(root: Path = SCHEMA_ROOT) -> list[Path]:
             missing = {str(p): sorted(info[p][1] - known - info[p][0]) for p in pending}
             raise ValueError(f"unresolvable schema references: {missing}")
     return ordered
+
+
+def _release_number(path: Path) -> tuple[int, str]:
+    digits = path.name.lstrip("v")
+    return (int(digits), path.name) if digits.isdigit() else (-1, path.name)
+
+
+def released_dirs(released_root: Path) -> list[Path]:
+    """Released snapshot directories (`v1`, `v2`, ...), oldest first."""
+    if not released_root.is_dir():
+        return []
+    return sorted((p for p in released_root.iterdir() if p.is_dir()), key=_release_number)
 
 
 class _Generator:
@@ -165,6 +180,7 @@ class _Generator:
 
 
 def generate(root: Path = SCHEMA_ROOT) -> str:
+    """The source of records.py for the schemas under root."""
     gen = _Generator()
     for path in schema_files(root):
         schema = json.loads(path.read_text())
@@ -189,43 +205,60 @@ def generate(root: Path = SCHEMA_ROOT) -> str:
 
 
 def _bundle_plan(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): p.read_text() for p in schema_files(root)}
+    """What the package bundles: the current schemas, and every released snapshot under released/."""
+    plan = {p.relative_to(root).as_posix(): p.read_text() for p in schema_files(root)}
+    for release in released_dirs(root / RELEASED_DIR):
+        for p in schema_files(release):
+            plan[f"{RELEASED_DIR}/{release.name}/{p.relative_to(release).as_posix()}"] = p.read_text()
+    return plan
 
 
-def write(root: Path = SCHEMA_ROOT) -> None:
-    GENERATED_MODULE.write_text(generate(root))
-    if BUNDLED_SCHEMAS.exists():
-        shutil.rmtree(BUNDLED_SCHEMAS)
+def write(root: Path = SCHEMA_ROOT, package_dir: Path = PACKAGE_DIR) -> None:
+    """Regenerate records.py and the bundled schemas of the package at `package_dir`."""
+    (package_dir / GENERATED_MODULE.name).write_text(generate(root))
+    bundled = package_dir / BUNDLED_SCHEMAS.name
+    if bundled.exists():
+        shutil.rmtree(bundled)
     for rel, text in _bundle_plan(root).items():
-        target = BUNDLED_SCHEMAS / rel
+        target = bundled / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
 
 
-def stale(root: Path = SCHEMA_ROOT) -> list[str]:
+def stale(root: Path = SCHEMA_ROOT, package_dir: Path = PACKAGE_DIR) -> list[str]:
     """Names of generated artefacts that differ from what the schemas produce now."""
     problems = []
-    if not GENERATED_MODULE.exists() or GENERATED_MODULE.read_text() != generate(root):
-        problems.append(str(GENERATED_MODULE.relative_to(REPO_ROOT)))
+    module = package_dir / GENERATED_MODULE.name
+    if not module.exists() or module.read_text() != generate(root):
+        problems.append(_display(module))
+    bundled_dir = package_dir / BUNDLED_SCHEMAS.name
     bundled = {
-        p.relative_to(BUNDLED_SCHEMAS).as_posix(): p.read_text()
-        for p in BUNDLED_SCHEMAS.rglob("*.avsc")
-    } if BUNDLED_SCHEMAS.exists() else {}
+        p.relative_to(bundled_dir).as_posix(): p.read_text()
+        for p in bundled_dir.rglob("*.avsc")
+    } if bundled_dir.exists() else {}
     if bundled != _bundle_plan(root):
-        problems.append(str(BUNDLED_SCHEMAS.relative_to(REPO_ROOT)))
+        problems.append(_display(bundled_dir))
     return problems
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--check", action="store_true", help="fail if generated code is stale")
+    parser.add_argument("--schemas", type=Path, default=SCHEMA_ROOT, help="schema root (default: schemas/)")
     args = parser.parse_args(argv)
     if args.check:
-        problems = stale()
+        problems = stale(args.schemas)
         for p in problems:
             print(f"stale: {p} (run python -m tether_contracts.codegen)", file=sys.stderr)
         return 1 if problems else 0
-    write()
+    write(args.schemas)
     return 0
 
 

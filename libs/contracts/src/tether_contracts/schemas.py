@@ -1,19 +1,38 @@
-"""The bundled Avro schemas, parsed, with their CRC-64-AVRO fingerprints (pure, no I/O beyond package data)."""
+"""The bundled Avro schemas, parsed, with their CRC-64-AVRO fingerprints (pure, no I/O beyond package data).
+
+Besides the current schemas, the set knows the writer schemas of every released snapshot
+(`avsc/released/<release>/`, copied from `schemas/released/` by codegen), so a record written
+by an older producer is still decoded: its fingerprint names the old writer schema, and Avro
+schema resolution reads it into the current type.
+"""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-import fastavro
-from fastavro.schema import fingerprint, to_parsing_canonical_form
-
-from tether_contracts.codegen import schema_files
+from tether_contracts.avro import (
+    SchemaTree,
+    crc64_fingerprint,
+    load_tree,
+    parse_standalone,
+    short_name,
+    standalone,
+)
+from tether_contracts.codegen import released_dirs, schema_files
 
 BUNDLED = Path(__file__).resolve().parent / "avsc"
+
+
+@dataclass(frozen=True)
+class WriterSchema:
+    """A schema some producer wrote with: the current record it reads into, and from which release."""
+
+    name: str
+    parsed: Any
+    release: str | None = None  # None for the current schema
 
 
 @dataclass
@@ -23,25 +42,61 @@ class SchemaSet:
     parsed: dict[str, Any] = field(default_factory=dict)
     fingerprints: dict[str, bytes] = field(default_factory=dict)
     by_fingerprint: dict[bytes, str] = field(default_factory=dict)
+    #: Self-contained JSON schema of each record (what a schema registry is given).
+    standalone: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Every known writer schema by fingerprint: the current ones and those of released snapshots.
+    writers: dict[bytes, WriterSchema] = field(default_factory=dict)
 
     def fingerprint_of(self, name: str) -> bytes:
         """The 8-byte little-endian CRC-64-AVRO fingerprint of a record's schema."""
         return self.fingerprints[name]
 
+    def reader_name_for(self, writer_name: str, writer_aliases: list[str] | tuple[str, ...] = ()) -> str | None:
+        """The current record that reads data written with a schema named `writer_name`:
+        the same full name, or a current record whose aliases list it (a renamed record)."""
+        if writer_name in self.parsed:
+            return writer_name
+        for name, schema in self.standalone.items():
+            aliases = schema.get("aliases", ())
+            if writer_name in aliases or short_name(writer_name) in {short_name(a) for a in aliases}:
+                return name
+        return None
+
+
+def _add_current(result: SchemaSet, tree: SchemaTree) -> None:
+    for name in tree.top_level.values():
+        schema = standalone(name, tree)
+        parsed = parse_standalone(schema)
+        fp = crc64_fingerprint(schema)
+        result.standalone[name] = schema
+        result.parsed[name] = parsed
+        result.fingerprints[name] = fp
+        result.by_fingerprint[fp] = name
+        result.writers[fp] = WriterSchema(name, parsed)
+
+
+def _add_release(result: SchemaSet, release: str, tree: SchemaTree) -> None:
+    for name in tree.top_level.values():
+        schema = standalone(name, tree)
+        fp = crc64_fingerprint(schema)
+        if fp in result.writers:
+            continue  # unchanged since that release
+        reader = result.reader_name_for(name)
+        if reader is None:
+            continue  # the record was removed; the compatibility gate forbids that for released records
+        result.writers[fp] = WriterSchema(reader, parse_standalone(schema), release)
+        result.by_fingerprint[fp] = reader
+
 
 def load_schema_set(root: Path = BUNDLED) -> SchemaSet:
-    """Parse every schema under root; shared named types resolve across files."""
-    named: dict[str, Any] = {}
+    """Parse every schema under root; shared named types resolve across files.
+
+    Released snapshots under `root/released/<release>/` add the writer schemas of older producers.
+    """
     result = SchemaSet()
-    for path in schema_files(root):
-        raw = json.loads(path.read_text())
-        parsed = fastavro.parse_schema(raw, named)
-        full = parsed["name"]
-        canonical = to_parsing_canonical_form(parsed)
-        fp = bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
-        result.parsed[full] = parsed
-        result.fingerprints[full] = fp
-        result.by_fingerprint[fp] = full
+    _add_current(result, load_tree(root, schema_files(root)))
+    for release_dir in reversed(released_dirs(root / "released")):
+        _add_release(result, release_dir.name, load_tree(release_dir, schema_files(release_dir)))
     return result
 
 
