@@ -534,3 +534,15 @@ def test_the_ledger_survives_its_changelog_codec_mid_run(harness) -> None:
     assert not any(isinstance(p, (SubmitRun, RunRejected)) for p in h.log_payloads())
     assert {type(p) for p in h.log_payloads()} >= {ApprovalRequested, ApprovalDecided, ToolCallBudgeted,
                                                    ToolCallCompleted, ToolCallOutcomeUnknown}
+
+
+def test_a_cancel_while_an_approval_is_pending_reports_it_and_the_late_decision_is_dropped(harness) -> None:
+    h = harness
+    h.submit()
+    h.model(1, 1)
+    h.request(1, 0)
+    h.approval_requested("1.0", approval_id="ap-7")
+    report = h.cancel()[0].report
+    assert report.pending == ["1.0 search APPROVAL_PENDING approval ap-7"]
+    # The gateway only executes on an ApprovalDecided in the log; after the end there is none.
+    assert h.decided("1.0", ApprovalOutcome.APPROVED, approval_id="ap-7") == []

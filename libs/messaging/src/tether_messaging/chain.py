@@ -147,7 +147,8 @@ def verify_chain(envelopes: Iterable[Envelope], *, from_genesis: bool = True) ->
             cursor.event_ids.add(env.event_id)
             continue
         if env.seq > cursor.last_seq + 1:
-            missing = f"{cursor.last_seq + 1}" if env.seq == cursor.last_seq + 2 else f"{cursor.last_seq + 1}..{env.seq - 1}"
+            first_missing, last_missing = cursor.last_seq + 1, env.seq - 1
+            missing = f"{first_missing}" if first_missing == last_missing else f"{first_missing}..{last_missing}"
             report(ProblemKind.GAP, f"seq {missing} missing before seq {env.seq}")
         elif env.prev_hash != cursor.last_hash:
             report(

@@ -73,7 +73,9 @@ def _load(ctx: Context, run_id: str) -> Ledger | None:
     return None if state is None else state.model_copy(deep=True)
 
 
-def _decision_envelope(payload: AvroRecord, what: tuple, ledger: Ledger, ctx: Context, cause: Envelope | None) -> Envelope:
+def _decision_envelope(
+    payload: AvroRecord, what: tuple, ledger: Ledger, ctx: Context, cause: Envelope | None
+) -> Envelope:
     return make_envelope(
         payload,
         run_id=ledger.run_id,
@@ -124,7 +126,8 @@ def write_plan(plan: Plan, ledger: Ledger, ctx: Context, *, deps: Deps, inbound:
             event_id=inbound.event_id if inbound else None,
             event_type=inbound.event_type if inbound else None,
         )
-    ctx.put_state(ledger.run_id, ledger)
+    if plan.entries or plan.dropped is None:
+        ctx.put_state(ledger.run_id, ledger)  # a dropped record changed nothing worth a checkpoint
 
 
 def _count(payload: AvroRecord | None, sealed: Envelope, metrics: BudgetMetrics) -> None:

@@ -325,7 +325,8 @@ def _finish_step(ledger: Ledger, guard: LoopGuard, now_ms: int) -> Plan:
     verdict, detection = guard.observe(ledger.loop, _step_signature(ledger))
     if verdict is Verdict.TERMINATE and detection is not None:
         first = f" First warning: {warned_before.summary()}." if warned_before else ""
-        plan = _terminate(ledger, Reason.LOOP_DETECTED, f"Loop detected after a warning: {detection.summary()}.{first}", now_ms)
+        detail = f"Loop detected after a warning: {detection.summary()}.{first}"
+        plan = _terminate(ledger, Reason.LOOP_DETECTED, detail, now_ms)
         plan.detection = detection
         return plan
     if verdict is Verdict.WARN and detection is not None:
@@ -509,7 +510,8 @@ def _approval_decided(ledger: Ledger, ev: ApprovalDecided, guard: LoopGuard, now
             _terminate(ledger, Reason.APPROVAL_TIMEOUT, f"no decision on the unknown outcome of {what} in time", now_ms)
         )
     detail = f"{ev.approver_id} declined to continue after the unknown outcome of {what}"
-    return plan.extend(_terminate(ledger, Reason.OUTCOME_UNKNOWN, detail + (f": {ev.comment}" if ev.comment else ""), now_ms))
+    detail += f": {ev.comment}" if ev.comment else ""
+    return plan.extend(_terminate(ledger, Reason.OUTCOME_UNKNOWN, detail, now_ms))
 
 
 def _run_completed(ledger: Ledger, ev: RunCompleted, guard: LoopGuard, now_ms: int) -> Plan:

@@ -9,7 +9,8 @@ _NEXT_ACTION: dict[str, str] = {
     Reason.STEP_CAP: "Review the work so far; resubmit with a higher max_steps or a narrower goal.",
     Reason.TOKEN_CAP: "Review the work so far; resubmit with a higher max_tokens or a narrower goal.",
     Reason.COST_CAP: "Review the work so far; resubmit with a higher max_cost_usd_micros or a cheaper model.",
-    Reason.WALL_CLOCK_CAP: "Check what was slow (model latency, tool timeouts); resubmit with a longer max_wall_clock_ms.",
+    Reason.WALL_CLOCK_CAP: "Check what was slow (model latency, tool timeouts); resubmit with a longer "
+    "max_wall_clock_ms.",
     Reason.TOOL_CALL_CAP: "Review the tool calls made; resubmit with a higher max_tool_calls or a narrower goal.",
     Reason.LOOP_DETECTED: "Inspect the repeated action and its results; fix the tool, its inputs or the agent's "
     "instructions, then resubmit.",
