@@ -564,6 +564,17 @@ def list_approvals(
     return rows, encode_token(listing, [rows[-1].requested_at_ms, rows[-1].approval_id]) if more else ""
 
 
+def get_approval(approval_id: str, *, principal: Principal, read_model: ReadModel) -> ApprovalView:
+    """One approval of the tenant."""
+    principal.require(ROLE_MEMBER)
+    if not approval_id or len(approval_id) > 128:
+        raise InvalidArgument(FieldViolation("approval_id", "must be 1-128 characters"))
+    approval = read_model.get_approval(principal.tenant_id, approval_id)
+    if approval is None:
+        raise ApprovalNotFound(approval_id)
+    return approval
+
+
 @dataclass(frozen=True)
 class Decision:
     """An approver's decision as sent."""

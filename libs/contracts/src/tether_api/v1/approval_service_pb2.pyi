@@ -81,6 +81,18 @@ class ListApprovalsResponse(_message.Message):
     next_page_token: str
     def __init__(self, approvals: _Optional[_Iterable[_Union[Approval, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
+class GetApprovalRequest(_message.Message):
+    __slots__ = ("approval_id",)
+    APPROVAL_ID_FIELD_NUMBER: _ClassVar[int]
+    approval_id: str
+    def __init__(self, approval_id: _Optional[str] = ...) -> None: ...
+
+class GetApprovalResponse(_message.Message):
+    __slots__ = ("approval",)
+    APPROVAL_FIELD_NUMBER: _ClassVar[int]
+    approval: Approval
+    def __init__(self, approval: _Optional[_Union[Approval, _Mapping]] = ...) -> None: ...
+
 class DecideApprovalRequest(_message.Message):
     __slots__ = ("approval_id", "args_hash", "approve", "comment")
     APPROVAL_ID_FIELD_NUMBER: _ClassVar[int]

@@ -41,6 +41,11 @@ class ApprovalServiceStub:
                 request_serializer=tether_dot_v1_dot_approval__service__pb2.ListApprovalsRequest.SerializeToString,
                 response_deserializer=tether_dot_v1_dot_approval__service__pb2.ListApprovalsResponse.FromString,
                 _registered_method=True)
+        self.GetApproval = channel.unary_unary(
+                '/tether.v1.ApprovalService/GetApproval',
+                request_serializer=tether_dot_v1_dot_approval__service__pb2.GetApprovalRequest.SerializeToString,
+                response_deserializer=tether_dot_v1_dot_approval__service__pb2.GetApprovalResponse.FromString,
+                _registered_method=True)
         self.DecideApproval = channel.unary_unary(
                 '/tether.v1.ApprovalService/DecideApproval',
                 request_serializer=tether_dot_v1_dot_approval__service__pb2.DecideApprovalRequest.SerializeToString,
@@ -55,6 +60,13 @@ class ApprovalServiceServicer:
 
     def ListApprovals(self, request, context):
         """Lists approvals, pending ones by default, oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetApproval(self, request, context):
+        """Returns one approval (what an approver reviews before deciding).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,6 +87,11 @@ def add_ApprovalServiceServicer_to_server(servicer, server):
                     servicer.ListApprovals,
                     request_deserializer=tether_dot_v1_dot_approval__service__pb2.ListApprovalsRequest.FromString,
                     response_serializer=tether_dot_v1_dot_approval__service__pb2.ListApprovalsResponse.SerializeToString,
+            ),
+            'GetApproval': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetApproval,
+                    request_deserializer=tether_dot_v1_dot_approval__service__pb2.GetApprovalRequest.FromString,
+                    response_serializer=tether_dot_v1_dot_approval__service__pb2.GetApprovalResponse.SerializeToString,
             ),
             'DecideApproval': grpc.unary_unary_rpc_method_handler(
                     servicer.DecideApproval,
@@ -111,6 +128,33 @@ class ApprovalService:
             '/tether.v1.ApprovalService/ListApprovals',
             tether_dot_v1_dot_approval__service__pb2.ListApprovalsRequest.SerializeToString,
             tether_dot_v1_dot_approval__service__pb2.ListApprovalsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetApproval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tether.v1.ApprovalService/GetApproval',
+            tether_dot_v1_dot_approval__service__pb2.GetApprovalRequest.SerializeToString,
+            tether_dot_v1_dot_approval__service__pb2.GetApprovalResponse.FromString,
             options,
             channel_credentials,
             insecure,

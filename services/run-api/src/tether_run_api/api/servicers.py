@@ -323,6 +323,11 @@ class ApprovalService(_Servicer, approvals_grpc.ApprovalServiceServicer):
                                                   next_page_token=token)
 
     @unary
+    def GetApproval(self, request, context, principal):  # noqa: N802
+        approval = handlers.get_approval(request.approval_id, principal=principal, read_model=self.s.read_model)
+        return approvals_pb.GetApprovalResponse(approval=convert.approval_pb(approval, self.s.clock_ms()))
+
+    @unary
     def DecideApproval(self, request, context, principal):  # noqa: N802
         now = self.s.clock_ms()
         approval = handlers.decide_approval(
