@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,10 +61,20 @@ class JsonHandler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that gives up (timeout, capped read) resets the connection: not a server fault.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionResetError, BrokenPipeError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
+
+
 def serve_http(kind: str, handler: type[BaseHTTPRequestHandler], host: str, port: int, on_stop: Callable[[], None]) -> RunningService:
     """Serve `handler` on a background thread; port 0 picks a free port."""
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
+    server = _QuietServer((host, port), handler)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name=f"devservice-{kind}", daemon=True)
     thread.start()
 

@@ -23,6 +23,11 @@ def _text_body(msg: EmailMessage) -> str:
     return content if isinstance(content, str) else content.decode("utf-8", errors="replace")
 
 
+def _header(msg: EmailMessage, name: str) -> str:
+    # Folded long values come back with the fold's whitespace; the value itself has none at its ends.
+    return str(msg.get(name, "")).strip()
+
+
 class _RecordingHandler:
     def __init__(self, recorder: EffectRecorder) -> None:
         self.recorder = recorder
@@ -35,11 +40,11 @@ class _RecordingHandler:
         self.recorder.record(
             mail_from=envelope.mail_from,
             rcpt_tos=list(envelope.rcpt_tos),
-            to=str(msg.get("To", "")),
-            subject=str(msg.get("Subject", "")),
+            to=_header(msg, "To"),
+            subject=_header(msg, "Subject"),
             body=_text_body(msg),
-            message_id=str(msg.get("Message-ID", "")),
-            idempotency_key=msg.get("X-Idempotency-Key"),
+            message_id=_header(msg, "Message-ID"),
+            idempotency_key=_header(msg, "X-Idempotency-Key") or None,
         )
         return "250 OK: recorded"
 

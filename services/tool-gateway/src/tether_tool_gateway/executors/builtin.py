@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import email.policy
 import json
 import smtplib
 import socket
@@ -158,7 +159,8 @@ def kv_get(request: ExecutionRequest, config: dict[str, Any]) -> dict[str, Any]:
 def send_email(request: ExecutionRequest, config: dict[str, Any]) -> dict[str, Any]:
     """Send one plain-text message. The idem_key goes in Message-ID and X-Idempotency-Key so a
     receiving system could deduplicate, but SMTP itself cannot: the tool is not idempotent."""
-    msg = EmailMessage()
+    # Long unbroken header values (the 64-hex idem_key) must not be folded mid-value.
+    msg = EmailMessage(policy=email.policy.default.clone(max_line_length=998))
     msg["From"] = _require(config, "from_addr")
     msg["To"] = request.args["to"]
     msg["Subject"] = request.args["subject"]

@@ -1,0 +1,166 @@
+"""The built-in tools against the dev services (real HTTP and SMTP on loopback, effects counted at the sink)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tether_devservices.http_service import start_http_service
+from tether_devservices.kv_service import start_kv_service
+from tether_devservices.recorder import read_records
+from tether_devservices.smtp_sink import start_smtp_sink
+from tether_tool_gateway.builtin_tools import (
+    ARGS_SCHEMAS,
+    BUILTIN_TOOL_NAMES,
+    builtin_tool_specs,
+    http_get_spec,
+    kv_get_spec,
+    kv_put_spec,
+    send_email_spec,
+)
+from tether_tool_gateway.domain.errors import EgressDenied, InvalidToolResult, ToolError
+from tether_tool_gateway.domain.policy import validate_args
+from tether_tool_gateway.executors.builtin import BuiltinExecutor
+from tether_tool_gateway.ports import ExecutionRequest, MappingSecretProvider
+
+
+def request(tool, args, idem_key="k" * 64):
+    return ExecutionRequest(tool=tool, args=args, idem_key=idem_key, run_id="run-1", tenant_id="t1",
+                            call_id="1.0", attempt=1, timeout_s=tool.timeout_ms / 1000)
+
+
+def run(tool, args, **kw):
+    return BuiltinExecutor().execute(request(tool, args, **kw), MappingSecretProvider())
+
+
+@pytest.fixture
+def http(tmp_path):
+    with start_http_service(str(tmp_path / "http.jsonl")) as svc:
+        yield svc
+
+
+@pytest.fixture
+def kv(tmp_path):
+    with start_kv_service(str(tmp_path / "kv.jsonl")) as svc:
+        svc.record = tmp_path / "kv.jsonl"
+        yield svc
+
+
+# -- specs -------------------------------------------------------------------------------------
+def test_default_specs_cover_every_builtin_with_valid_schemas():
+    specs = builtin_tool_specs(kv_url="http://127.0.0.1:1/", smtp_host="127.0.0.1", smtp_port=25,
+                               email_from="a@b.test", http_allow_hosts=["Example.test"])
+    assert [s.name for s in specs] == list(BUILTIN_TOOL_NAMES)
+    by = {s.name: s for s in specs}
+    assert json.loads(by["http_get"].executor_config_json)["allow_hosts"] == ["example.test"]
+    assert by["send_email"].risk_class.value == "IRREVERSIBLE" and not by["send_email"].idempotent
+    assert by["kv_put"].risk_class.value == "WRITE" and by["kv_put"].idempotent
+    assert by["http_get"].untrusted_source and by["http_get"].risk_class.value == "READ_ONLY"
+    for spec in specs:
+        assert json.loads(spec.args_schema_json) == ARGS_SCHEMAS[spec.name]
+
+
+@pytest.mark.parametrize("name,good,bad", [
+    ("http_get", {"url": "http://x.test/a"}, {"url": "file:///etc/passwd"}),
+    ("kv_put", {"key": "a/b", "value": [1]}, {"key": "", "value": 1}),
+    ("kv_get", {"key": "a"}, {"key": "a", "extra": 1}),
+    ("send_email", {"to": "a@b.test", "subject": "s", "body": ""}, {"to": "a@b.test", "subject": "s\r\nBcc: x", "body": ""}),
+])
+def test_schemas_accept_good_and_refuse_bad_arguments(name, good, bad):
+    spec = {s.name: s for s in builtin_tool_specs(kv_url="http://h", smtp_host="h", smtp_port=1, email_from="a@b.test",
+                                                  http_allow_hosts=[])}[name]
+    assert validate_args(spec, json.dumps(good)) is None
+    assert validate_args(spec, json.dumps(bad)) is not None
+
+
+# -- http_get ----------------------------------------------------------------------------------
+def test_http_get_fetches_an_allowed_host(http):
+    page = run(http_get_spec(["127.0.0.1"]), {"url": f"{http.url}/hello?x=1"})
+    assert page["status"] == 200 and not page["truncated"]
+    assert json.loads(page["body"])["echo"]["path"] == "/hello"
+
+
+def test_http_get_refuses_hosts_outside_its_allowlist(http):
+    with pytest.raises(EgressDenied):
+        run(http_get_spec(["example.test"]), {"url": f"{http.url}/x"})
+
+
+def test_http_get_follows_same_host_redirects_only(http):
+    spec = http_get_spec(["127.0.0.1", "localhost"])
+    same = run(spec, {"url": f"{http.url}/redirect?to=/landed"})
+    assert same["status"] == 200 and same["url"].endswith("/landed")
+    other = run(spec, {"url": f"{http.url}/redirect?to=http://localhost:{http.port}/elsewhere"})
+    assert other["status"] == 302 and other["redirect_not_followed"].startswith("http://localhost")
+
+
+def test_http_get_caps_the_body_and_reports_server_errors(http):
+    spec = http_get_spec(["127.0.0.1"], max_body_bytes=1000)
+    big = run(spec, {"url": f"{http.url}/huge/5000"})
+    assert big["truncated"] and len(big["body"]) == 1000
+    err = run(spec, {"url": f"{http.url}/status/500"})
+    assert err["status"] == 500
+    garbage = run(spec, {"url": f"{http.url}/garbage"})
+    assert garbage["status"] == 200 and "\ufffd" in garbage["body"]
+
+
+def test_http_get_timeout(http):
+    spec = http_get_spec(["127.0.0.1"], timeout_ms=100)
+    with pytest.raises(ToolError) as exc:
+        run(spec, {"url": f"{http.url}/slow/3000"})
+    assert exc.value.code == "TIMEOUT"
+
+
+# -- kv ----------------------------------------------------------------------------------------
+def test_kv_put_sends_the_idem_key_and_a_rerun_is_applied_once(kv):
+    spec = kv_put_spec(kv.url)
+    first = run(spec, {"key": "a", "value": {"n": 1}}, idem_key="i" * 64)
+    again = run(spec, {"key": "a", "value": {"n": 1}}, idem_key="i" * 64)
+    assert first == {"key": "a", "version": 1, "deduplicated": False}
+    assert again == {"key": "a", "version": 1, "deduplicated": True}
+    recs = read_records(kv.record)
+    assert [r["idempotency_key"] for r in recs] == ["i" * 64] * 2
+    assert sum(r["applied"] for r in recs) == 1
+    assert run(kv_get_spec(kv.url), {"key": "a"}) == {"key": "a", "found": True, "value": {"n": 1}, "version": 1}
+    assert run(kv_get_spec(kv.url), {"key": "zzz"}) == {"key": "zzz", "found": False}
+
+
+def test_kv_answers_that_are_not_json_or_lack_the_value_are_invalid_results(http):
+    # The HTTP test service stands in for a broken KV store.
+    with pytest.raises(InvalidToolResult):
+        run(kv_get_spec(f"{http.url}/garbage"), {"key": "a"})  # 200 with a body that is not JSON
+    with pytest.raises(InvalidToolResult):
+        run(kv_get_spec(f"{http.url}/status/200"), {"key": "a"})  # 200 JSON without "value"
+
+
+def test_kv_server_errors_are_retryable_tool_errors(http):
+    with pytest.raises(ToolError) as exc:
+        run(kv_put_spec(f"{http.url}/status/503"), {"key": "a", "value": 1})
+    assert exc.value.code == "TOOL_ERROR" and exc.value.retryable
+
+
+# -- send_email --------------------------------------------------------------------------------
+def test_send_email_reaches_the_sink_with_the_idem_key(tmp_path):
+    record = tmp_path / "mail.jsonl"
+    with start_smtp_sink(str(record)) as smtp:
+        out = run(send_email_spec(smtp.host, smtp.port, "agent@tether.test"),
+                  {"to": "ops@example.test", "subject": "Hi", "body": "Body text"}, idem_key="m" * 64)
+    assert out["sent"] and out["to"] == "ops@example.test"
+    (mail,) = read_records(record)
+    assert (mail["mail_from"], mail["rcpt_tos"], mail["subject"]) == ("agent@tether.test", ["ops@example.test"], "Hi")
+    assert mail["body"].strip() == "Body text" and mail["idempotency_key"] == "m" * 64
+
+
+def test_send_email_to_a_closed_port_is_a_tool_error():
+    from tether_testing.processes import free_port
+
+    with pytest.raises(ToolError) as exc:
+        run(send_email_spec("127.0.0.1", free_port(), "a@b.test"), {"to": "c@d.test", "subject": "s", "body": "b"})
+    assert exc.value.code == "TOOL_ERROR" and not exc.value.retryable
+
+
+def test_unknown_builtin_is_executor_unavailable():
+    spec = kv_get_spec("http://127.0.0.1:1").model_copy(update={"executor_config_json": '{"builtin": "nope"}'})
+    with pytest.raises(ToolError) as exc:
+        run(spec, {"key": "a"})
+    assert exc.value.code == "EXECUTOR_UNAVAILABLE"
