@@ -1,0 +1,1 @@
+"""Safety building blocks: secrets, redaction, untrusted-content envelopes, and the tool sandbox."""
