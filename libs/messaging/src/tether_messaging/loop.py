@@ -17,8 +17,10 @@ owner restores the states from the changelog, then re-delivers ONLY the held inp
 loop checkpoints, with the states, which inputs above the committed offset were already
 handled, and skips those. A held input is re-delivered with the state its first handling
 left, so its handler must recognise "work started, not finished" and start it again (same
-key). Work started from `on_tick` holds no input: after a failover, the next tick re-derives
-it from the state.
+key). Work started from `on_work_done` inherits the hold of the finished work's input, so
+the re-delivered input may belong to an earlier link of the chain: the handler restarts
+whatever unfinished work the run's state records. Work started from `on_tick` holds no
+input: after a failover, the next tick re-derives it from the state.
 """
 
 from __future__ import annotations

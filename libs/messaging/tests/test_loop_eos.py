@@ -1,0 +1,180 @@
+"""The exactly-once loop survives SIGKILL: every output exactly once, in order, counters contiguous."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
+from tether_contracts.records import Remaining, StepGranted
+from tether_messaging.admin import declare_topics
+from tether_messaging.envelopes import headers_for, make_envelope
+from tether_messaging.partitioner import partition_for
+from tether_messaging.serde import decode_envelope, encode, open_payload
+from tether_messaging.topics import Topics
+
+PROCESSOR = Path(__file__).with_name("eos_processor.py")
+PARTITIONS = 6
+RUNS = 50
+INPUTS_PER_RUN = 200
+TOTAL = RUNS * INPUTS_PER_RUN
+KILLS = 4
+NO_PROGRESS_LIMIT_S = 120.0
+
+
+class OutputReader:
+    """Reads the output topic with read_committed, as any downstream consumer would."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"{topic}.reader",
+                "isolation.level": "read_committed",
+                "enable.auto.commit": False,
+                "enable.partition.eof": True,
+            }
+        )
+        self.consumer.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
+        self.records: list[tuple[int, int, object]] = []
+        self.at_eof: set[int] = set()
+
+    def poll(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            msg = self.consumer.poll(0.1)
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    self.at_eof.add(msg.partition())
+                    continue
+                raise RuntimeError(msg.error().str())
+            self.at_eof.discard(msg.partition())
+            self.records.append((msg.partition(), msg.offset(), decode_envelope(msg.value())))
+
+    def wait_for(self, count: int, what: str, logs: Path) -> None:
+        last, last_change = len(self.records), time.monotonic()
+        while len(self.records) < count:
+            self.poll(0.5)
+            if len(self.records) != last:
+                last, last_change = len(self.records), time.monotonic()
+            elif time.monotonic() - last_change > NO_PROGRESS_LIMIT_S:
+                pytest.fail(
+                    f"no output progress for {NO_PROGRESS_LIMIT_S:.0f}s while waiting for {what} "
+                    f"({len(self.records)}/{count} outputs); processor log tail:\n{_tail(logs)}"
+                )
+
+    def drain(self) -> None:
+        """Read every partition to its end (after the processor stopped)."""
+        self.at_eof.clear()
+        deadline = time.monotonic() + 60
+        while len(self.at_eof) < PARTITIONS and time.monotonic() < deadline:
+            self.poll(0.5)
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def _produce_inputs(bootstrap: str, topic: str) -> dict[str, list[str]]:
+    """RUNS runs over 5 tenants, INPUTS_PER_RUN numbered inputs each; returns the event ids per run."""
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 20})
+    expected: dict[str, list[str]] = {}
+    runs = [(f"tenant-{r % 5}", f"run-{r:03d}") for r in range(RUNS)]
+    for tenant, run in runs:
+        expected[run] = []
+    for n in range(1, INPUTS_PER_RUN + 1):
+        for tenant, run in runs:
+            env = make_envelope(
+                StepGranted(step=n, remaining=Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)),
+                run_id=run,
+                tenant_id=tenant,
+                event_id=f"in:{run}:{n}",
+                producer="test",
+                recorded_at_ms=0,
+            )
+            expected[run].append(env.event_id)
+            partition = partition_for(tenant, run, PARTITIONS, spread=3)
+            while True:
+                try:
+                    producer.produce(topic, encode(env), run.encode(), partition=partition, headers=headers_for(env))
+                    break
+                except BufferError:
+                    producer.poll(0.1)
+    if producer.flush(60):
+        raise RuntimeError("inputs were not all delivered")
+    return expected
+
+
+@pytest.mark.integration
+def test_outputs_exactly_once_in_order_across_sigkills(kafka_bootstrap: str, topic_prefix: str, tmp_path: Path) -> None:
+    topics = Topics(topic_prefix)
+    declare_topics(kafka_bootstrap, PARTITIONS, ["eos"], prefix=topic_prefix)
+    expected = _produce_inputs(kafka_bootstrap, topics.commands)
+
+    env = {
+        **os.environ,
+        "TETHER_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        "TETHER_TOPIC_PREFIX": topic_prefix,
+        "TETHER_PARTITIONS": str(PARTITIONS),
+        "TETHER_EOS_BATCH_MAX_MESSAGES": "100",
+        "TETHER_EOS_BATCH_MAX_MS": "50",
+        "TETHER_EOS_SESSION_TIMEOUT_MS": "6000",
+        "TETHER_EOS_WORK_THREADS": "8",
+        "TETHER_EOS_WORK_SLEEP_MS": "20",
+    }
+    logs = tmp_path / "processor.log"
+    log_file = logs.open("ab")
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, str(PROCESSOR)], env=env, stdout=log_file, stderr=log_file)
+
+    reader = OutputReader(kafka_bootstrap, topics.run_events)
+    rng = random.Random()
+    thresholds = sorted(rng.sample(range(500, TOTAL - 1500), KILLS))
+    proc = start()
+    try:
+        killed_at = []
+        for threshold in thresholds:
+            reader.wait_for(threshold, f"kill point {threshold}", logs)
+            time.sleep(rng.uniform(0, 0.3))  # land anywhere inside a batch or a transaction
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            killed_at.append(len(reader.records))
+            log_file.write(f"--- SIGKILL after {len(reader.records)} committed outputs ---\n".encode())
+            log_file.flush()
+            proc = start()
+        reader.wait_for(TOTAL, "all outputs", logs)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, f"graceful stop failed; log tail:\n{_tail(logs)}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        log_file.close()
+    reader.drain()
+    reader.consumer.close()
+
+    assert len(killed_at) == KILLS and all(k < TOTAL for k in killed_at), killed_at
+    per_run: dict[str, list[tuple[int, str | None, str]]] = defaultdict(list)
+    for _partition, _offset, envelope in sorted(reader.records, key=lambda r: (r[0], r[1])):
+        step = open_payload(envelope).step
+        per_run[envelope.run_id].append((step, envelope.causation_id, envelope.event_id))
+    assert sorted(per_run) == sorted(expected)
+    for run, outputs in per_run.items():
+        counters = [o[0] for o in outputs]
+        assert counters == list(range(1, INPUTS_PER_RUN + 1)), f"{run}: counters not contiguous/unique: {counters[:20]}..."
+        assert [o[1] for o in outputs] == expected[run], f"{run}: outputs not one per input, in input order"
+    assert len(reader.records) == TOTAL
