@@ -152,7 +152,7 @@ class ToolRunner:
         self.ledger = ledger
         self.owner = owner
         self._executors = dict(executors)
-        self._blobs = blobs
+        self.blobs = blobs
         self._secrets = secrets or MappingSecretProvider()
         self._redactor = redactor or PassthroughRedactor()
         self._limits = limits
@@ -274,7 +274,7 @@ class ToolRunner:
             return Resolution(ResolutionStatus.FAILED, error_code="OVERSIZED_RESULT",
                               detail=f"the result is {len(data)} bytes; the limit is {self._limits.max_bytes}")
         if placement is Placement.BLOB:
-            ref = self._blobs.put(data, "application/json")
+            ref = self.blobs.put(data, "application/json")
             return Resolution(ResolutionStatus.COMPLETED, result_ref=ref, untrusted=tool.untrusted_source)
         return Resolution(ResolutionStatus.COMPLETED, result_json=text, untrusted=tool.untrusted_source)
 
