@@ -1,0 +1,1 @@
+"""The `tether` command-line client (gRPC), plus `tether admin ...` operator commands (PostgreSQL)."""

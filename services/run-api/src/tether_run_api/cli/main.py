@@ -1,0 +1,532 @@
+"""`tether`: submit and watch runs, inspect steps and traces, decide approvals, manage agents and tools.
+
+Connection: --addr / TETHER_ADDR (default 127.0.0.1:50051) and --api-key / TETHER_API_KEY.
+`tether admin ...` talks to PostgreSQL directly (TETHER_PG_DSN) to set up tenants and keys.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Annotated, Any
+
+import grpc
+import typer
+from google.protobuf import field_mask_pb2
+from google.protobuf.json_format import ParseDict, ParseError
+
+from tether_api.v1 import agent_service_pb2 as agents_pb
+from tether_api.v1 import approval_service_pb2 as approvals_pb
+from tether_api.v1 import run_service_pb2 as runs_pb
+from tether_api.v1 import tool_service_pb2 as tools_pb
+from tether_api.v1 import types_pb2 as types_pb
+from tether_run_api.cli import render
+from tether_run_api.cli.client import CliError, CliSettings, Client, connect, describe, reason
+
+app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+approvals_app = typer.Typer(help="List, review and decide approvals.", no_args_is_help=True)
+agents_app = typer.Typer(help="Agents: versioned instructions, model, tool allowlist and caps.", no_args_is_help=True)
+tools_app = typer.Typer(help="Tools: versioned argument schemas, risk class and executor.", no_args_is_help=True)
+admin_app = typer.Typer(help="Operator set-up on PostgreSQL (TETHER_PG_DSN): tenants, keys, grants, demo.",
+                        no_args_is_help=True)
+app.add_typer(approvals_app, name="approvals")
+app.add_typer(agents_app, name="agents")
+app.add_typer(tools_app, name="tools")
+app.add_typer(admin_app, name="admin")
+
+_STATE: dict[str, Any] = {}
+EXIT_NOT_COMPLETED = 2
+_TERMINAL = {runs_pb.RUN_STATUS_COMPLETED, runs_pb.RUN_STATUS_TERMINATED, runs_pb.RUN_STATUS_REJECTED}
+
+
+@app.callback()
+def _options(
+    addr: Annotated[str | None, typer.Option(help="run-api host:port (env TETHER_ADDR)")] = None,
+    api_key: Annotated[str | None, typer.Option(help="API key (env TETHER_API_KEY)")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")] = False,
+) -> None:
+    _STATE.update(addr=addr, api_key=api_key, json=json_output)
+
+
+def _client() -> Client:
+    if "client" not in _STATE:
+        settings = CliSettings()
+        _STATE["client"] = connect(_STATE.get("addr") or settings.addr, _STATE.get("api_key") or settings.api_key)
+    return _STATE["client"]
+
+
+def _json() -> bool:
+    return bool(_STATE.get("json"))
+
+
+# -- runs ----------------------------------------------------------------------------------------
+
+
+@app.command()
+def run(
+    goal: Annotated[str, typer.Argument(help="what the agent should achieve")],
+    agent: Annotated[str, typer.Option("--agent", "-a", help="agent id")] = "demo",
+    agent_version: Annotated[int, typer.Option(help="agent version (0 = latest)")] = 0,
+    watch: Annotated[bool, typer.Option("--watch/--no-watch", "-w", help="stream events until the run ends")] = False,
+    request_id: Annotated[str | None, typer.Option(help="idempotency key (default: a new UUID)")] = None,
+    max_steps: Annotated[int, typer.Option(help="tighten the agent's step cap")] = 0,
+    max_tokens: Annotated[int, typer.Option(help="tighten the agent's token cap")] = 0,
+    max_cost_usd: Annotated[float, typer.Option(help="tighten the agent's cost cap (USD)")] = 0.0,
+) -> None:
+    """Submit a run; with --watch, stream its events and print the final status and answer."""
+    client = _client()
+    request = runs_pb.SubmitRunRequest(
+        request_id=request_id or str(uuid.uuid4()),
+        agent_id=agent,
+        agent_version=agent_version,
+        goal=goal,
+        caps=types_pb.Caps(max_steps=max_steps, max_tokens=max_tokens,
+                           max_cost_usd_micros=round(max_cost_usd * 1_000_000)),
+    )
+    resp = _submit_with_retry(client, request)
+    if not watch:
+        if _json():
+            render.console.print(render.as_json(resp), markup=False)
+        else:
+            render.console.print(resp.run_id, markup=False)
+        return
+    render.err_console.print(f"run {resp.run_id} (agent {agent} v{resp.agent_version})")
+    _watch_and_report(client, resp.run_id, 1)
+
+
+def _submit_with_retry(client: Client, request: runs_pb.SubmitRunRequest) -> runs_pb.SubmitRunResponse:
+    # The request_id makes a retry safe: the server answers it with the same run id.
+    for attempt in range(5):
+        try:
+            return client.runs.SubmitRun(request, metadata=client.metadata, timeout=client.timeout_s)
+        except grpc.RpcError as err:
+            retryable = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or \
+                reason(err) == "RATE_LIMITED"
+            if not retryable or attempt == 4:
+                raise CliError(describe(err)) from None
+            time.sleep(min(5.0, 0.5 * 2**attempt))
+    raise CliError("unreachable")
+
+
+@app.command("watch")
+def watch_cmd(
+    run_id: Annotated[str, typer.Argument(help="run id")],
+    from_seq: Annotated[int, typer.Option(help="first event to show (resume with last seen + 1)")] = 1,
+) -> None:
+    """Stream a run's events (from --from-seq) until it ends; print the final status and answer."""
+    _watch_and_report(_client(), run_id, from_seq)
+
+
+def _watch_and_report(client: Client, run_id: str, from_seq: int) -> None:
+    try:
+        last = follow(client, run_id, from_seq, on_event=_print_event)
+    except KeyboardInterrupt:
+        render.err_console.print(f"\nstopped watching; the run goes on. Resume: tether watch {run_id} "
+                                 f"--from-seq {_STATE.get('next_seq', from_seq)}")
+        raise typer.Exit(130) from None
+    final = _final_run(client, run_id, last)
+    if _json():
+        render.console.print(render.as_json(final), markup=False)
+    else:
+        render.show_run(final)
+    if final.status != runs_pb.RUN_STATUS_COMPLETED:
+        raise typer.Exit(EXIT_NOT_COMPLETED)
+
+
+def _print_event(event: runs_pb.RunEvent) -> None:
+    if _json():
+        render.console.print(json.dumps({"seq": event.seq, "event_type": event.event_type,
+                                         "payload": json.loads(event.payload_json or "{}")}), markup=False)
+        return
+    start = _STATE.setdefault("start_ms", event.record_time.ToMilliseconds())
+    render.err_console.print(render.event_line(event, start), markup=False)
+    if event.event_type == "tether.v1.ApprovalRequested":
+        approval_id = json.loads(event.payload_json or "{}").get("approval_id", "?")
+        render.err_console.print(f"        approval needed: tether approvals show {approval_id} && "
+                                 f"tether approvals approve {approval_id}", markup=False)
+
+
+def follow(client: Client, run_id: str, from_seq: int, *, on_event, max_reconnects: int = 20,
+           sleep=time.sleep) -> runs_pb.RunEvent | None:
+    """Stream events from from_seq until the terminal one, reconnecting from the next seq on a
+    dropped stream, so each event is handed to on_event exactly once. Returns the terminal event."""
+    next_seq = from_seq
+    failures = 0
+    while True:
+        try:
+            stream = client.runs.StreamRunEvents(
+                runs_pb.StreamRunEventsRequest(run_id=run_id, from_seq=next_seq), metadata=client.metadata
+            )
+            for resp in stream:
+                event = resp.event
+                if event.seq < next_seq:
+                    continue  # never show an event twice, whatever the server sends
+                on_event(event)
+                next_seq = event.seq + 1
+                _STATE["next_seq"] = next_seq
+                failures = 0
+                if event.terminal:
+                    return event
+            return None  # the server ended the stream without a terminal event
+        except grpc.RpcError as err:
+            resumable = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       grpc.StatusCode.INTERNAL) or reason(err) == "STREAM_RESUME_REQUIRED"
+            failures += 1
+            if not resumable or failures > max_reconnects:
+                raise CliError(describe(err)) from None
+            sleep(min(5.0, 0.2 * 2 ** min(failures, 5)))
+
+
+def _final_run(client: Client, run_id: str, terminal: runs_pb.RunEvent | None) -> runs_pb.Run:
+    # The read model's run row may trail the terminal event by a moment.
+    run_row = client.call(client.runs.GetRun, runs_pb.GetRunRequest(run_id=run_id)).run
+    deadline = time.monotonic() + 10.0
+    while terminal is not None and run_row.status not in _TERMINAL and time.monotonic() < deadline:
+        time.sleep(0.2)
+        run_row = client.call(client.runs.GetRun, runs_pb.GetRunRequest(run_id=run_id)).run
+    return run_row
+
+
+@app.command()
+def get(run_id: Annotated[str, typer.Argument(help="run id")]) -> None:
+    """Show a run: status, usage, answer or termination report."""
+    client = _client()
+    r = client.call(client.runs.GetRun, runs_pb.GetRunRequest(run_id=run_id)).run
+    if _json():
+        render.console.print(render.as_json(r), markup=False)
+    else:
+        render.show_run(r)
+
+
+@app.command()
+def runs(page_size: Annotated[int, typer.Option(help="runs to show")] = 20) -> None:
+    """List recent runs, newest first."""
+    client = _client()
+    resp = client.call(client.runs.ListRuns, runs_pb.ListRunsRequest(page_size=page_size))
+    render.console.print(render.as_json(resp) if _json() else render.runs_table(list(resp.runs)))
+
+
+@app.command()
+def steps(run_id: Annotated[str, typer.Argument(help="run id")]) -> None:
+    """Show a run's steps and tool calls."""
+    client = _client()
+    out, token = [], ""
+    while True:
+        resp = client.call(client.runs.ListRunSteps,
+                           runs_pb.ListRunStepsRequest(run_id=run_id, page_size=200, page_token=token))
+        out += list(resp.steps)
+        token = resp.next_page_token
+        if not token:
+            break
+    if _json():
+        render.console.print(render.as_json(runs_pb.ListRunStepsResponse(steps=out)), markup=False)
+    else:
+        render.console.print(render.steps_table(out))
+
+
+@app.command()
+def trace(run_id: Annotated[str, typer.Argument(help="run id")]) -> None:
+    """Show every event of a run with its timing, and the spans of model calls, tool calls and approvals."""
+    client = _client()
+    resp = client.call(client.runs.GetRunTrace, runs_pb.GetRunTraceRequest(run_id=run_id))
+    if _json():
+        render.console.print(render.as_json(resp), markup=False)
+        return
+    events, spans = render.trace_tables(resp)
+    render.console.print(events)
+    render.console.print(spans)
+    render.console.print(f"duration {resp.duration_ms} ms" + ("  (truncated)" if resp.truncated else ""))
+
+
+@app.command()
+def cancel(
+    run_id: Annotated[str, typer.Argument(help="run id")],
+    reason_text: Annotated[str, typer.Option("--reason", help="why")] = "",
+) -> None:
+    """Ask for a run to be cancelled."""
+    client = _client()
+    client.call(client.runs.CancelRun, runs_pb.CancelRunRequest(run_id=run_id, reason=reason_text))
+    render.console.print(f"cancel requested for {run_id}")
+
+
+# -- approvals -------------------------------------------------------------------------------------
+
+
+_APPROVAL_STATUS = {"pending": 1, "approved": 2, "rejected": 3, "expired": 4}
+
+
+@approvals_app.command("list")
+def approvals_list(
+    status: Annotated[str, typer.Option(help="pending, approved, rejected or expired")] = "pending",
+    run_id: Annotated[str, typer.Option("--run", help="only this run")] = "",
+) -> None:
+    """List approvals (pending by default)."""
+    if status not in _APPROVAL_STATUS:
+        raise CliError(f"--status must be one of {', '.join(_APPROVAL_STATUS)}")
+    client = _client()
+    resp = client.call(client.approvals.ListApprovals,
+                       approvals_pb.ListApprovalsRequest(status=_APPROVAL_STATUS[status], run_id=run_id,
+                                                         page_size=200))
+    render.console.print(render.as_json(resp) if _json() else render.approvals_table(list(resp.approvals)))
+
+
+@approvals_app.command("show")
+def approvals_show(approval_id: Annotated[str, typer.Argument(help="approval id")]) -> None:
+    """Show an approval with the exact arguments that would run."""
+    client = _client()
+    a = client.call(client.approvals.GetApproval, approvals_pb.GetApprovalRequest(approval_id=approval_id)).approval
+    if _json():
+        render.console.print(render.as_json(a), markup=False)
+    else:
+        render.show_approval(a)
+
+
+def _decide(approval_id: str, approve: bool, comment: str, yes: bool) -> None:
+    client = _client()
+    a = client.call(client.approvals.GetApproval, approvals_pb.GetApprovalRequest(approval_id=approval_id)).approval
+    if not _json():
+        render.show_approval(a)
+    if not yes and not typer.confirm("approve these arguments?" if approve else "reject this call?"):
+        raise typer.Exit(1)
+    # The decision quotes the hash of the arguments just shown, so it cannot approve other ones.
+    resp = client.call(client.approvals.DecideApproval, approvals_pb.DecideApprovalRequest(
+        approval_id=approval_id, args_hash=a.args_hash, approve=approve, comment=comment))
+    render.console.print(f"{'approved' if approve else 'rejected'} {approval_id} "
+                         f"({render.approval_status(resp.approval.status)})")
+
+
+@approvals_app.command("approve")
+def approvals_approve(
+    approval_id: Annotated[str, typer.Argument(help="approval id")],
+    comment: Annotated[str, typer.Option(help="recorded with the decision")] = "",
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask for confirmation")] = False,
+) -> None:
+    """Approve a pending tool call (after showing its arguments)."""
+    _decide(approval_id, True, comment, yes)
+
+
+@approvals_app.command("reject")
+def approvals_reject(
+    approval_id: Annotated[str, typer.Argument(help="approval id")],
+    comment: Annotated[str, typer.Option(help="recorded with the decision")] = "",
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask for confirmation")] = False,
+) -> None:
+    """Reject a pending tool call."""
+    _decide(approval_id, False, comment, yes)
+
+
+# -- agents and tools ------------------------------------------------------------------------------
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CliError(f"{path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise CliError(f"{path}: expected a JSON object")
+    return data
+
+
+def _parse(data: dict[str, Any], message, path: Path):
+    try:
+        return ParseDict(data, message)
+    except ParseError as exc:
+        raise CliError(f"{path}: {exc}") from None
+
+
+@agents_app.command("list")
+def agents_list() -> None:
+    """List agents (latest versions)."""
+    client = _client()
+    resp = client.call(client.agents.ListAgents, agents_pb.ListAgentsRequest(page_size=500))
+    render.console.print(render.as_json(resp) if _json() else render.agents_table(list(resp.agents)))
+
+
+@agents_app.command("get")
+def agents_get(agent_id: str, version: Annotated[int, typer.Option(help="0 = latest")] = 0) -> None:
+    """Show one agent version."""
+    client = _client()
+    a = client.call(client.agents.GetAgent, agents_pb.GetAgentRequest(agent_id=agent_id, version=version)).agent
+    render.console.print(render.as_json(a), markup=False)
+
+
+@agents_app.command("create")
+def agents_create(
+    file: Annotated[Path, typer.Option("--file", "-f", help="Agent as JSON (tether.v1.Agent fields)")],
+    request_id: Annotated[str | None, typer.Option(help="idempotency key")] = None,
+) -> None:
+    """Create an agent (version 1) from a JSON file."""
+    client = _client()
+    agent = _parse(_load(file), agents_pb.Agent(), file)
+    a = client.call(client.agents.CreateAgent,
+                    agents_pb.CreateAgentRequest(agent=agent, request_id=request_id or str(uuid.uuid4()))).agent
+    render.console.print(f"created agent {a.agent_id} v{a.version}")
+
+
+@agents_app.command("update")
+def agents_update(
+    file: Annotated[Path, typer.Option("--file", "-f", help="Agent as JSON; agent_id names the agent")],
+    mask: Annotated[str, typer.Option(help="comma-separated fields to take from the file (default: all)")] = "",
+    expected_version: Annotated[int, typer.Option(help="fail if the latest version is not this one")] = 0,
+    request_id: Annotated[str | None, typer.Option(help="idempotency key")] = None,
+) -> None:
+    """Create the next version of an agent."""
+    client = _client()
+    agent = _parse(_load(file), agents_pb.Agent(), file)
+    agent.version = expected_version
+    paths = [p.strip() for p in mask.split(",") if p.strip()]
+    a = client.call(client.agents.UpdateAgent, agents_pb.UpdateAgentRequest(
+        agent=agent, update_mask=field_mask_pb2.FieldMask(paths=paths), request_id=request_id or str(uuid.uuid4()),
+    )).agent
+    render.console.print(f"agent {a.agent_id} is now v{a.version}")
+
+
+@tools_app.command("list")
+def tools_list(show_disabled: Annotated[bool, typer.Option(help="include disabled tools")] = False) -> None:
+    """List tools (latest versions)."""
+    client = _client()
+    resp = client.call(client.tools.ListTools, tools_pb.ListToolsRequest(page_size=500, show_disabled=show_disabled))
+    render.console.print(render.as_json(resp) if _json() else render.tools_table(list(resp.tools)))
+
+
+@tools_app.command("get")
+def tools_get(name: str, version: Annotated[int, typer.Option(help="0 = latest")] = 0) -> None:
+    """Show one tool version."""
+    client = _client()
+    t = client.call(client.tools.GetTool, tools_pb.GetToolRequest(name=name, version=version)).tool
+    render.console.print(render.as_json(t), markup=False)
+
+
+@tools_app.command("register")
+def tools_register(
+    file: Annotated[Path, typer.Option("--file", "-f", help="Tool as JSON; args_schema / executor_config may "
+                                                            "be objects")],
+    request_id: Annotated[str | None, typer.Option(help="idempotency key")] = None,
+) -> None:
+    """Register the next version of a tool from a JSON file."""
+    data = _load(file)
+    for obj_key, text_key in (("args_schema", "args_schema_json"), ("executor_config", "executor_config_json")):
+        if obj_key in data:
+            data[text_key] = json.dumps(data.pop(obj_key))
+    client = _client()
+    tool = _parse(data, tools_pb.Tool(), file)
+    t = client.call(client.tools.RegisterTool,
+                    tools_pb.RegisterToolRequest(tool=tool, request_id=request_id or str(uuid.uuid4()))).tool
+    render.console.print(f"registered tool {t.name} v{t.version}")
+
+
+@tools_app.command("disable")
+def tools_disable(name: str, version: Annotated[int, typer.Option(help="0 = every version")] = 0) -> None:
+    """Disable a tool version (or all); new runs stop getting it."""
+    client = _client()
+    resp = client.call(client.tools.DisableTool, tools_pb.DisableToolRequest(name=name, version=version))
+    render.console.print(f"disabled {name} versions {list(resp.disabled_versions) or '(already disabled)'}")
+
+
+# -- admin (PostgreSQL) ----------------------------------------------------------------------------
+
+
+def _store():
+    from tether_run_api.bootstrap import open_store
+    from tether_run_api.settings import RunApiSettings
+
+    store, pool = open_store(RunApiSettings())
+    _STATE.setdefault("closers", []).append(pool.close)
+    return store
+
+
+@admin_app.command("create-tenant")
+def admin_create_tenant(
+    tenant_id: str,
+    display_name: Annotated[str, typer.Option(help="human-readable name")] = "",
+    spread: Annotated[int, typer.Option(help="partitions the tenant's runs spread over")] = 1,
+) -> None:
+    """Create a tenant (or change its name / spread)."""
+    from tether_run_api import admin
+
+    admin.create_tenant(_store(), tenant_id, display_name=display_name, spread=spread)
+    render.console.print(f"tenant {tenant_id} (spread {spread})")
+
+
+@admin_app.command("create-key")
+def admin_create_key(
+    tenant_id: str,
+    principal_id: str,
+    role: Annotated[list[str], typer.Option(help="member, admin, approver (repeat)")] = ["member"],  # noqa: B006
+    label: Annotated[str, typer.Option(help="note stored with the key")] = "",
+) -> None:
+    """Issue an API key for a principal of a tenant (printed once)."""
+    from tether_run_api import admin
+
+    key = admin.issue_key(_store(), tenant_id, principal_id, role, label=label)
+    render.console.print(key.api_key, markup=False)
+
+
+@admin_app.command("grant")
+def admin_grant(
+    tenant_id: str,
+    tools: Annotated[list[str], typer.Argument(help="tool names")],
+    principal_id: Annotated[str, typer.Option("--principal", help="'*' = every principal of the tenant")] = "*",
+) -> None:
+    """Grant tools to a principal (default: every principal of the tenant)."""
+    from tether_run_api import admin
+
+    admin.grant_tools(_store(), tenant_id, principal_id, tools)
+    render.console.print(f"granted {', '.join(tools)} to {principal_id} in {tenant_id}")
+
+
+@admin_app.command("bootstrap-demo")
+def admin_bootstrap_demo(
+    tenant_id: Annotated[str, typer.Option("--tenant")] = "demo",
+    principal_id: Annotated[str, typer.Option("--principal")] = "demo-user",
+    api_key: Annotated[str | None, typer.Option(help="use this key instead of a new random one")] = None,
+    model_provider: Annotated[str, typer.Option(help="openai or anthropic")] = "openai",
+    model_name: Annotated[str, typer.Option(help="model name")] = "tether-scripted",
+    kv_url: Annotated[str, typer.Option(help="the KV dev service")] = "http://127.0.0.1:8091",
+    smtp_host: Annotated[str, typer.Option(help="SMTP host for send_email")] = "127.0.0.1",
+    smtp_port: Annotated[int, typer.Option(help="SMTP port for send_email")] = 2525,
+    email_from: Annotated[str, typer.Option(help="sender of send_email")] = "tether-demo@localhost",
+    http_allow_host: Annotated[list[str], typer.Option(help="hosts http_get may reach (repeat)")] = [  # noqa: B006
+        "example.com", "127.0.0.1", "localhost"],
+    env_file: Annotated[Path | None, typer.Option(help="also write TETHER_API_KEY=... to this file")] = None,
+) -> None:
+    """Create the demo tenant, an admin+approver key, the built-in tools, grants and the demo agent."""
+    from tether_run_api import admin
+    from tether_tool_gateway.builtin_tools import builtin_tool_specs
+
+    tools = builtin_tool_specs(kv_url=kv_url, smtp_host=smtp_host, smtp_port=smtp_port, email_from=email_from,
+                               http_allow_hosts=http_allow_host)
+    agent = admin.demo_agent_spec(model_provider, model_name, [t.name for t in tools])
+    setup = admin.bootstrap_demo(_store(), tenant_id=tenant_id, principal_id=principal_id, tools=tools, agent=agent,
+                                 now_ms=time.time_ns() // 1_000_000, api_key=api_key)
+    for change in setup.changed:
+        render.err_console.print(f"  + {change}", markup=False)
+    render.err_console.print(f"agent {setup.agent.agent_id} v{setup.agent.version} with tools "
+                             f"{', '.join(t.name for t in setup.tools)}", markup=False)
+    if setup.key is not None:
+        if env_file is not None:
+            env_file.write_text(f"TETHER_API_KEY={setup.key.api_key}\n")
+            env_file.chmod(0o600)
+        render.console.print(f"export TETHER_API_KEY={setup.key.api_key}", markup=False)
+
+
+def main() -> None:
+    """Console entry point `tether`."""
+    try:
+        app()
+    except CliError as err:
+        render.err_console.print(f"[red]error[/] {err}")
+        raise SystemExit(err.exit_code) from None
+    finally:
+        client = _STATE.pop("client", None)
+        if client is not None:
+            client.close()
+        for close in _STATE.pop("closers", []):
+            close()
+
+
+if __name__ == "__main__":
+    main()

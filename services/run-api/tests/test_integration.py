@@ -1,0 +1,402 @@
+"""run-api against the real stack: gRPC on 127.0.0.1, PostgreSQL, Kafka (the produced commands), Redis streams."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+import uuid
+
+import grpc
+import psycopg
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from psycopg import sql
+
+from tether_api.v1 import (
+    agent_service_pb2 as agents_pb,
+    agent_service_pb2_grpc as agents_grpc,
+    approval_service_pb2 as approvals_pb,
+    approval_service_pb2_grpc as approvals_grpc,
+    run_service_pb2 as runs_pb,
+    run_service_pb2_grpc as runs_grpc,
+    tool_service_pb2 as tools_pb,
+    tool_service_pb2_grpc as tools_grpc,
+    types_pb2 as types_pb,
+)
+from tether_contracts.records import CancelRun, DecideApproval, SubmitRun
+from tether_messaging.envelopes import derived_id
+from tether_messaging.partitioner import partition_for
+from tether_messaging.serde import decode_envelope, fingerprint_hex, open_payload
+from tether_run_api import admin
+from tether_run_api.adapters.live import stream_key
+from tether_run_api.api.status import error_info
+from tether_run_api.domain.auth import ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER, hash_api_key
+from tether_testing.processes import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def tenant(stack, *roles: str, spread: int = 1) -> tuple[str, str]:
+    """A fresh tenant with a key of the given roles; returns (tenant_id, api_key)."""
+    tenant_id = f"t-{uuid.uuid4().hex[:10]}"
+    admin.create_tenant(stack.app.store, tenant_id, spread=spread)
+    key = admin.issue_key(stack.app.store, tenant_id, "alice", roles or (ROLE_MEMBER,))
+    return tenant_id, key.api_key
+
+
+def md(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+def reason(err: grpc.RpcError) -> str:
+    info, _ = error_info(err)
+    return info.reason if info else ""
+
+
+def with_demo(stack) -> tuple[str, str]:
+    """A tenant whose admin+approver key has an agent 'helper' with one granted tool."""
+    tenant_id, key = tenant(stack, ROLE_ADMIN, ROLE_APPROVER)
+    tools = tools_grpc.ToolServiceStub(stack.channel)
+    tools.RegisterTool(tools_pb.RegisterToolRequest(tool=tools_pb.Tool(
+        name="lookup", description="Look something up.",
+        args_schema_json=json.dumps({"type": "object", "properties": {"q": {"type": "string"}}}),
+        risk_class=types_pb.RISK_CLASS_READ_ONLY, executor_kind="builtin", idempotent=True,
+        executor_config_json='{"builtin": "kv_get"}')), metadata=md(key))
+    admin.grant_tools(stack.app.store, tenant_id, "*", ["lookup"])
+    agents_grpc.AgentServiceStub(stack.channel).CreateAgent(agents_pb.CreateAgentRequest(agent=agents_pb.Agent(
+        agent_id="helper", display_name="Helper", instructions="Help.",
+        model=types_pb.ModelRef(provider="openai", name="tether-scripted"), tool_allowlist=["lookup", "missing"],
+        caps=types_pb.Caps(max_steps=4, max_wall_clock_ms=60_000, max_tokens=5_000, max_cost_usd_micros=10_000),
+    )), metadata=md(key))
+    return tenant_id, key
+
+
+def records_for(stack, run_id: str, partition: int, expect: int, timeout_s: float = 30.0):
+    """Every record keyed run_id on the commands topic's partition (waits until `expect` are there)."""
+    consumer = Consumer({"bootstrap.servers": stack.settings.kafka_bootstrap, "group.id": f"t-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "isolation.level": "read_committed"})
+    topic = stack.settings.topic_prefix + "tether.commands.v1"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            _low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+            consumer.assign([TopicPartition(topic, partition, OFFSET_BEGINNING)])
+            found, position = [], 0
+            while position < high:
+                msg = consumer.poll(1.0)
+                if msg is None:
+                    continue
+                if msg.error():
+                    raise RuntimeError(msg.error())
+                position = msg.offset() + 1
+                if msg.key() == run_id.encode():
+                    found.append(msg)
+            if len(found) >= expect or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
+    finally:
+        consumer.close()
+
+
+def test_wrong_api_key_is_unauthenticated(stack) -> None:
+    runs = runs_grpc.RunServiceStub(stack.channel)
+    with pytest.raises(grpc.RpcError) as err:
+        runs.ListRuns(runs_pb.ListRunsRequest(), metadata=md("tk_" + "x" * 40))
+    assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED and reason(err.value) == "UNAUTHENTICATED_API_KEY"
+    _, key = tenant(stack)
+    assert stack.app.store.revoke_api_key(hash_api_key(key))
+    with pytest.raises(grpc.RpcError) as err:
+        runs.ListRuns(runs_pb.ListRunsRequest(), metadata=md(key))
+    assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED  # revoked (auth cache is off in tests)
+
+
+def test_submit_produces_the_command_and_is_idempotent(stack) -> None:
+    tenant_id, key = with_demo(stack)
+    runs = runs_grpc.RunServiceStub(stack.channel)
+    req = runs_pb.SubmitRunRequest(request_id=str(uuid.uuid4()), agent_id="helper", goal="Find the answer.",
+                                   caps=types_pb.Caps(max_steps=2))
+    first = runs.SubmitRun(req, metadata=md(key))
+    again = runs.SubmitRun(req, metadata=md(key))
+    assert again.run_id == first.run_id and first.agent_version == 1
+    partition = partition_for(tenant_id, first.run_id, stack.settings.partitions, 1)
+    [msg] = records_for(stack, first.run_id, partition, expect=1)
+    assert msg.partition() == partition
+    env = decode_envelope(msg.value())
+    assert (env.tenant_id, env.run_id, env.producer) == (tenant_id, first.run_id, "run-api")
+    assert env.event_id == derived_id(first.run_id, "SubmitRun") and env.seq is None
+    headers = {k: v.decode() for k, v in msg.headers()}
+    assert headers["tether-tenant"] == tenant_id and headers["tether-run"] == first.run_id
+    assert headers["tether-event-type"] == "tether.v1.SubmitRun"
+    assert headers["tether-schema-fingerprint"] == fingerprint_hex(SubmitRun) == env.schema_fingerprint
+    cmd = open_payload(env)
+    assert isinstance(cmd, SubmitRun)
+    assert cmd.goal == "Find the answer." and cmd.principal_id == "alice" and cmd.caps.max_steps == 2
+    assert [t.name for t in cmd.tools] == ["lookup"] and cmd.tenant_grants == ["lookup"]
+    assert cmd.agent.tool_allowlist == ["lookup", "missing"] and cmd.agent.version == 1
+    with pytest.raises(grpc.RpcError) as err:
+        runs.SubmitRun(runs_pb.SubmitRunRequest(request_id=req.request_id, agent_id="helper", goal="Other."),
+                       metadata=md(key))
+    assert err.value.code() is grpc.StatusCode.ALREADY_EXISTS and reason(err.value) == "REQUEST_ID_REUSED"
+
+
+def test_spread_tenant_runs_land_in_its_partitions(stack) -> None:
+    tenant_id, key = with_demo(stack)
+    admin.create_tenant(stack.app.store, tenant_id, spread=3)
+    runs = runs_grpc.RunServiceStub(stack.channel)
+    for _ in range(3):
+        run_id = runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="g"), metadata=md(key)).run_id
+        partition = partition_for(tenant_id, run_id, stack.settings.partitions, 3)
+        assert len(records_for(stack, run_id, partition, expect=1)) == 1
+
+
+def test_another_tenants_run_is_not_found(stack) -> None:
+    _, key = with_demo(stack)
+    _, other = tenant(stack, ROLE_ADMIN, ROLE_APPROVER)
+    runs = runs_grpc.RunServiceStub(stack.channel)
+    run_id = runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="g"), metadata=md(key)).run_id
+    assert runs.GetRun(runs_pb.GetRunRequest(run_id=run_id), metadata=md(key)).run.status == \
+        runs_pb.RUN_STATUS_PENDING
+    calls = [
+        lambda: runs.GetRun(runs_pb.GetRunRequest(run_id=run_id), metadata=md(other)),
+        lambda: runs.CancelRun(runs_pb.CancelRunRequest(run_id=run_id), metadata=md(other)),
+        lambda: runs.ListRunSteps(runs_pb.ListRunStepsRequest(run_id=run_id), metadata=md(other)),
+        lambda: runs.GetRunTrace(runs_pb.GetRunTraceRequest(run_id=run_id), metadata=md(other)),
+        lambda: list(runs.StreamRunEvents(runs_pb.StreamRunEventsRequest(run_id=run_id), metadata=md(other))),
+    ]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND and reason(err.value) == "RUN_NOT_FOUND"
+    assert runs.ListRuns(runs_pb.ListRunsRequest(), metadata=md(other)).runs == []
+
+
+def test_malformed_and_oversized_requests(stack) -> None:
+    _, key = with_demo(stack)
+    runs = runs_grpc.RunServiceStub(stack.channel)
+    with pytest.raises(grpc.RpcError) as err:
+        runs.SubmitRun(runs_pb.SubmitRunRequest(request_id="no spaces allowed", agent_id="Helper!", goal=" ",
+                                                caps=types_pb.Caps(max_steps=99)), metadata=md(key))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    _, details = error_info(err.value)
+    fields = {v.field for d in details if isinstance(d, error_details_pb2.BadRequest) for v in d.field_violations}
+    assert fields == {"request_id", "agent_id", "goal"}
+    with pytest.raises(grpc.RpcError) as err:
+        runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="g", caps=types_pb.Caps(max_steps=99)),
+                       metadata=md(key))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # loosening the agent's cap
+    with pytest.raises(grpc.RpcError) as err:
+        runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="x" * 300_000), metadata=md(key))
+    assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and reason(err.value) == "REQUEST_TOO_LARGE"
+    with pytest.raises(grpc.RpcError) as err:
+        runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="x" * 2_000_000), metadata=md(key))
+    assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED  # the transport ceiling, before any handler
+    with pytest.raises(grpc.RpcError) as err:
+        runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="ghost", goal="g"), metadata=md(key))
+    assert err.value.code() is grpc.StatusCode.NOT_FOUND and reason(err.value) == "AGENT_NOT_FOUND"
+
+
+def test_catalog_versions_pages_and_idempotent_creates(stack) -> None:
+    tenant_id, key = with_demo(stack)
+    agents = agents_grpc.AgentServiceStub(stack.channel)
+    tools = tools_grpc.ToolServiceStub(stack.channel)
+    base = agents.GetAgent(agents_pb.GetAgentRequest(agent_id="helper"), metadata=md(key)).agent
+    for i in range(3):
+        a = agents_pb.Agent()
+        a.CopyFrom(base)
+        a.agent_id = f"agent-{i}"
+        rid = f"create-{i}"
+        made = agents.CreateAgent(agents_pb.CreateAgentRequest(request_id=rid, agent=a), metadata=md(key)).agent
+        assert agents.CreateAgent(agents_pb.CreateAgentRequest(request_id=rid, agent=a),
+                                  metadata=md(key)).agent == made
+    update = agents_pb.Agent(agent_id="helper", version=1, instructions="Be brief.")
+    v2 = agents.UpdateAgent(agents_pb.UpdateAgentRequest(agent=update, update_mask={"paths": ["instructions"]}),
+                            metadata=md(key)).agent
+    assert (v2.version, v2.instructions, v2.display_name) == (2, "Be brief.", "Helper")
+    with pytest.raises(grpc.RpcError) as err:
+        agents.UpdateAgent(agents_pb.UpdateAgentRequest(agent=update, update_mask={"paths": ["instructions"]}),
+                           metadata=md(key))
+    assert err.value.code() is grpc.StatusCode.ABORTED and reason(err.value) == "AGENT_VERSION_CONFLICT"
+    assert agents.GetAgent(agents_pb.GetAgentRequest(agent_id="helper", version=1),
+                           metadata=md(key)).agent.instructions == "Help."
+    seen, token = [], ""
+    while True:
+        page = agents.ListAgents(agents_pb.ListAgentsRequest(page_size=2, page_token=token), metadata=md(key))
+        seen += [(a.agent_id, a.version) for a in page.agents]
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == [("agent-0", 1), ("agent-1", 1), ("agent-2", 1), ("helper", 2)]
+    with pytest.raises(grpc.RpcError) as err:
+        agents.CreateAgent(agents_pb.CreateAgentRequest(agent=base), metadata=md(key))
+    assert err.value.code() is grpc.StatusCode.ALREADY_EXISTS and reason(err.value) == "AGENT_ALREADY_EXISTS"
+
+    lookup = tools.GetTool(tools_pb.GetToolRequest(name="lookup"), metadata=md(key)).tool
+    lookup.description = "Look it up, v2."
+    v2_tool = tools.RegisterTool(tools_pb.RegisterToolRequest(tool=lookup), metadata=md(key)).tool
+    assert v2_tool.version == 2
+    assert list(tools.DisableTool(tools_pb.DisableToolRequest(name="lookup", version=2),
+                                  metadata=md(key)).disabled_versions) == [2]
+    listed = tools.ListTools(tools_pb.ListToolsRequest(show_disabled=True), metadata=md(key)).tools
+    assert [(t.name, t.version, t.disabled) for t in listed] == [("lookup", 2, True)]
+    assert tools.ListTools(tools_pb.ListToolsRequest(), metadata=md(key)).tools == []
+    # New runs snapshot the latest *enabled* version.
+    assert [t.spec.version for t in stack.app.store.latest_enabled_tools(tenant_id, ["lookup"])] == [1]
+
+
+def _seed_run(stack, tenant_id: str, run_id: str, status: str = "RUNNING", last_seq: int = 0) -> None:
+    with stack.pg() as conn:
+        conn.execute(sql.SQL("INSERT INTO {}.runs (run_id, tenant_id, status, agent_id, agent_version, goal, "
+                             "last_seq) VALUES (%s, %s, %s, 'helper', 1, 'g', %s)").format(
+            sql.Identifier(stack.settings.read_model_schema)), (run_id, tenant_id, status, last_seq))
+
+
+def _event(run_id: str, seq: int, etype: str) -> dict:
+    return {"run_id": run_id, "seq": seq, "event_id": f"ev-{seq}", "event_type": f"tether.v1.{etype}",
+            "recorded_at_ms": 1_700_000_000_000 + seq * 10, "payload": {"step": seq}, "hash": f"h{seq}",
+            "prev_hash": f"h{seq - 1}"}
+
+
+def _store_event(stack, tenant_id: str, e: dict) -> None:
+    with stack.pg() as conn:
+        conn.execute(sql.SQL("INSERT INTO {}.events (tenant_id, run_id, seq, event_id, event_type, recorded_at_ms, "
+                             "payload, hash, prev_hash) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)").format(
+            sql.Identifier(stack.settings.read_model_schema)),
+            (tenant_id, e["run_id"], e["seq"], e["event_id"], e["event_type"], e["recorded_at_ms"],
+             json.dumps(e["payload"]), e["hash"], e["prev_hash"]))
+
+
+def _publish(stack, e: dict, *, bare: bool = False) -> None:
+    key = stream_key(e["run_id"], stack.settings.live_key_prefix)
+    fields = {"seq": e["seq"]} if bare else {
+        "seq": e["seq"], "event_id": e["event_id"], "event_type": e["event_type"],
+        "recorded_at_ms": e["recorded_at_ms"], "payload": json.dumps(e["payload"]), "hash": e["hash"],
+        "prev_hash": e["prev_hash"]}
+    stack.redis.xadd(key, fields)
+
+
+def test_stream_run_events_catches_up_follows_live_and_resumes(stack) -> None:
+    tenant_id, key = with_demo(stack)
+    runs = runs_grpc.RunServiceStub(stack.channel)
+    run_id = runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="g"), metadata=md(key)).run_id
+    _seed_run(stack, tenant_id, run_id)
+    types = ["RunAccepted", "StepGranted", "ModelCallCompleted", "ToolCallRequested", "ToolCallBudgeted",
+             "ToolCallCompleted", "StepGranted", "ModelCallCompleted", "RunCompleted"]
+    events = [_event(run_id, i + 1, t) for i, t in enumerate(types)]
+    for e in events[:3]:  # already projected and published before the client connects
+        _store_event(stack, tenant_id, e)
+        _publish(stack, e)
+
+    got: list[runs_pb.RunEvent] = []
+    caught_up = threading.Event()
+    failure: list[BaseException] = []
+
+    def collect() -> None:
+        try:
+            for resp in runs.StreamRunEvents(runs_pb.StreamRunEventsRequest(run_id=run_id, from_seq=1),
+                                             metadata=md(key), timeout=60):
+                got.append(resp.event)
+                if resp.event.seq == 3:
+                    caught_up.set()
+        except BaseException as exc:  # surfaced in the main thread
+            failure.append(exc)
+            caught_up.set()
+
+    reader = threading.Thread(target=collect)
+    reader.start()
+    assert caught_up.wait(30), "catch-up never delivered seq 3"
+    _store_event(stack, tenant_id, events[3])
+    _publish(stack, events[3])
+    _store_event(stack, tenant_id, events[4])  # committed, but its live publish is lost
+    _store_event(stack, tenant_id, events[5])
+    _publish(stack, events[5])  # seq 6 arrives live before 5 was sent: 5 comes from the read model
+    _publish(stack, events[3])  # a replayed publish of seq 4: dropped
+    _store_event(stack, tenant_id, events[6])
+    _publish(stack, events[6], bare=True)  # a bare notification: read from the read model
+    _store_event(stack, tenant_id, events[7])
+    _publish(stack, events[7])
+    _store_event(stack, tenant_id, events[8])
+    _publish(stack, events[8])
+    reader.join(60)
+    assert not reader.is_alive() and not failure, failure
+    assert [e.seq for e in got] == list(range(1, 10))
+    assert [e.event_type for e in got] == [f"tether.v1.{t}" for t in types]
+    assert got[-1].terminal and json.loads(got[4].payload_json) == {"step": 5}
+
+    # A client that saw up to seq 5 reconnects: it gets 6.. exactly once, and the stream ends.
+    with stack.pg() as conn:
+        conn.execute(sql.SQL("UPDATE {}.runs SET status = 'COMPLETED', last_seq = 9 WHERE run_id = %s").format(
+            sql.Identifier(stack.settings.read_model_schema)), (run_id,))
+    resumed = [r.event.seq for r in runs.StreamRunEvents(runs_pb.StreamRunEventsRequest(run_id=run_id, from_seq=6),
+                                                         metadata=md(key), timeout=30)]
+    assert resumed == [6, 7, 8, 9]
+    assert list(runs.StreamRunEvents(runs_pb.StreamRunEventsRequest(run_id=run_id, from_seq=10),
+                                     metadata=md(key), timeout=30)) == []
+    trace = runs.GetRunTrace(runs_pb.GetRunTraceRequest(run_id=run_id), metadata=md(key))
+    assert [t.seq for t in trace.events] == list(range(1, 10)) and trace.duration_ms == 80
+    assert trace.run.status == runs_pb.RUN_STATUS_COMPLETED
+
+
+def test_cancel_and_decide_produce_commands_to_the_runs_partition(stack) -> None:
+    tenant_id, key = with_demo(stack)
+    runs = runs_grpc.RunServiceStub(stack.channel)
+    approvals = approvals_grpc.ApprovalServiceStub(stack.channel)
+    run_id = runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="g"), metadata=md(key)).run_id
+    partition = partition_for(tenant_id, run_id, stack.settings.partitions, 1)
+    args_hash = "ab" * 32
+    with stack.pg() as conn:
+        conn.execute(sql.SQL("INSERT INTO {}.approvals (approval_id, tenant_id, run_id, call_id, step, tool_name, "
+                             "args_json, args_hash, risk_class, reasons, status, requested_at_ms, expires_at_ms) "
+                             "VALUES (%s, %s, %s, '1.0', 1, 'send_email', '{{}}', %s, 'IRREVERSIBLE', "
+                             "ARRAY['IRREVERSIBLE'], 'PENDING', 1, %s)").format(
+            sql.Identifier(stack.settings.read_model_schema)),
+            (f"ap-{run_id}", tenant_id, run_id, args_hash, int(time.time() * 1000) + 3_600_000))
+    listed = approvals.ListApprovals(approvals_pb.ListApprovalsRequest(run_id=run_id), metadata=md(key)).approvals
+    assert [a.approval_id for a in listed] == [f"ap-{run_id}"] and listed[0].risk_class == \
+        types_pb.RISK_CLASS_IRREVERSIBLE
+    with pytest.raises(grpc.RpcError) as err:
+        approvals.DecideApproval(approvals_pb.DecideApprovalRequest(approval_id=f"ap-{run_id}", args_hash="cd" * 32,
+                                                                    approve=True), metadata=md(key))
+    assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION and reason(err.value) == "ARGS_HASH_MISMATCH"
+    decided = approvals.DecideApproval(approvals_pb.DecideApprovalRequest(
+        approval_id=f"ap-{run_id}", args_hash=args_hash, approve=True, comment="ok"), metadata=md(key)).approval
+    assert decided.status == approvals_pb.APPROVAL_STATUS_APPROVED
+    runs.CancelRun(runs_pb.CancelRunRequest(run_id=run_id, reason="enough"), metadata=md(key))
+    msgs = records_for(stack, run_id, partition, expect=3)
+    kinds = [type(open_payload(decode_envelope(m.value()))) for m in msgs]
+    assert kinds == [SubmitRun, DecideApproval, CancelRun]
+    decide = open_payload(decode_envelope(msgs[1].value()))
+    assert (decide.approval_id, decide.args_hash, decide.approver_id, decide.approve) == \
+        (f"ap-{run_id}", args_hash, "alice", True)
+    assert open_payload(decode_envelope(msgs[2].value())).reason == "enough"
+
+
+def test_the_service_process_serves_grpc_health_and_metrics(stack, service_processes) -> None:
+    s = stack.settings
+    grpc_port, http_port = free_port(), free_port()
+    env = {
+        "TETHER_KAFKA_BOOTSTRAP": s.kafka_bootstrap, "TETHER_PG_DSN": s.pg_dsn, "TETHER_REDIS_URL": s.redis_url,
+        "TETHER_PARTITIONS": str(s.partitions), "TETHER_TOPIC_PREFIX": s.topic_prefix,
+        "TETHER_RUN_API_PG_SCHEMA": s.pg_schema, "TETHER_RUN_API_READ_MODEL_SCHEMA": s.read_model_schema,
+        "TETHER_RUN_API_PORT": str(grpc_port), "TETHER_RUN_API_METRICS_PORT": str(http_port),
+        "TETHER_RUN_API_GRPC_WORKERS": "8",
+    }
+    proc = service_processes.start("tether_run_api", health_port=http_port, env=env)
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(service="tether.v1.RunService"), timeout=10).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        _, key = tenant(stack)
+        with pytest.raises(grpc.RpcError):
+            runs_grpc.RunServiceStub(channel).GetRun(runs_pb.GetRunRequest(run_id="0" * 26), metadata=md(key),
+                                                     timeout=10)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+        assert 'tether_run_api_rpcs_total{code="NOT_FOUND",method="GetRun"} 1.0' in metrics
+    finally:
+        channel.close()
+    proc.stop()
+    assert proc.returncode == 0
