@@ -57,7 +57,9 @@ class OutputReader:
                 if msg.error().code() == KafkaError._PARTITION_EOF:
                     self.at_eof.add(msg.partition())
                     continue
-                raise RuntimeError(msg.error().str())
+                if msg.error().fatal():
+                    raise RuntimeError(msg.error().str())
+                continue  # e.g. a just-created topic's metadata not propagated yet
             self.at_eof.discard(msg.partition())
             self.records.append((msg.partition(), msg.offset(), decode_envelope(msg.value())))
 
