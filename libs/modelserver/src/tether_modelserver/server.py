@@ -20,6 +20,7 @@ from tether_modelserver.scenarios import ScenarioSet
 LOGGED_HEADERS = (
     "x-tether-run",
     "x-tether-step",
+    "x-tether-call",
     "x-tether-attempt",
     "x-request-id",
     "anthropic-version",

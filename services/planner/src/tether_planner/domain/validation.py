@@ -1,0 +1,109 @@
+"""Checks on the model's tool calls before they become requests: JSON, a known tool, the tool's JSON Schema.
+
+Model output is untrusted input: a call that fails a check is never emitted. The planner
+answers it with a machine-readable error as the tool result and asks the model again.
+The gateway validates again (it is the authority); this check spares a step and a denial.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+
+from tether_planner.domain.canonical import canonical_json
+from tether_planner.domain.messages import ToolView
+
+#: Problem codes returned to the model (stable; tests and dashboards use them).
+INVALID_JSON = "INVALID_JSON"
+ARGS_NOT_OBJECT = "ARGS_NOT_OBJECT"
+UNKNOWN_TOOL = "UNKNOWN_TOOL"
+INVALID_ARGS = "INVALID_ARGS"
+NOT_EXECUTED = "NOT_EXECUTED"
+
+_MAX_SCHEMA_ERRORS = 5
+
+
+@dataclass(frozen=True)
+class RawToolCall:
+    """A tool call as the provider returned it; `arguments` is the raw text (maybe not JSON)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ValidCall:
+    raw: RawToolCall
+    args: dict[str, Any]
+    args_json: str
+
+
+@dataclass(frozen=True)
+class CallProblem:
+    raw: RawToolCall
+    code: str
+    detail: str
+
+    def as_error(self, available_tools: Sequence[str]) -> dict[str, Any]:
+        """The machine-readable error sent back to the model as the call's result."""
+        error: dict[str, Any] = {"code": self.code, "detail": self.detail, "tool": self.raw.name}
+        if self.code == UNKNOWN_TOOL:
+            error["available_tools"] = list(available_tools)
+        return {
+            "executed": False,
+            "error": error,
+            "instruction": "This call was not executed. Correct it and call again, or answer without it.",
+        }
+
+
+def _schema_errors(args: dict[str, Any], schema: dict[str, Any]) -> list[str]:
+    try:
+        validator = Draft202012Validator(schema)
+        errors = sorted(validator.iter_errors(args), key=lambda e: (list(e.absolute_path), e.message))
+    except SchemaError:
+        # A tool snapshot with an unusable schema cannot be checked here; the gateway refuses it.
+        return []
+    out = []
+    for e in errors[:_MAX_SCHEMA_ERRORS]:
+        path = "/" + "/".join(str(p) for p in e.absolute_path)
+        out.append(f"{path}: {e.message}")
+    return out
+
+
+def check_call(raw: RawToolCall, tools: Mapping[str, ToolView]) -> ValidCall | CallProblem:
+    """One call: a known tool, arguments that parse to a JSON object valid under the tool's schema."""
+    tool = tools.get(raw.name)
+    if tool is None:
+        return CallProblem(raw, UNKNOWN_TOOL, f"there is no tool named {raw.name!r}")
+    text = raw.arguments.strip()
+    try:
+        # Some servers send "" for a call without arguments.
+        args = json.loads(text) if text else {}
+    except json.JSONDecodeError as exc:
+        return CallProblem(raw, INVALID_JSON, f"arguments are not valid JSON: {exc.msg} at position {exc.pos}")
+    if not isinstance(args, dict):
+        return CallProblem(raw, ARGS_NOT_OBJECT, f"arguments must be a JSON object, got {type(args).__name__}")
+    errors = _schema_errors(args, tool.schema())
+    if errors:
+        return CallProblem(raw, INVALID_ARGS, "arguments do not match the tool's schema: " + "; ".join(errors))
+    return ValidCall(raw, args, canonical_json(args))
+
+
+def check_calls(calls: Sequence[RawToolCall], tools: Mapping[str, ToolView]) -> list[ValidCall | CallProblem]:
+    """Every call of a response. When any call fails, the valid ones are not executed either
+    (reported as NOT_EXECUTED), so a response is executed whole or not at all."""
+    checked = [check_call(c, tools) for c in calls]
+    if all(isinstance(c, ValidCall) for c in checked):
+        return checked
+    return [
+        c
+        if isinstance(c, CallProblem)
+        else CallProblem(c.raw, NOT_EXECUTED, "another call in the same response was invalid; send this call again")
+        for c in checked
+    ]

@@ -1,0 +1,1 @@
+"""Model provider adapters behind the `ModelProvider` port."""

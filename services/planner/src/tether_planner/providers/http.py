@@ -1,0 +1,250 @@
+"""HTTP mechanics shared by the provider adapters: retries with backoff (tenacity), Retry-After, SSE, error mapping."""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+import structlog
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from tether_planner.domain.redaction import Scrubber
+from tether_planner.providers.port import ContextOverflow, ModelRequest, ProviderError, ProviderTimeout
+
+log = structlog.get_logger("tether_planner.providers")
+
+T = TypeVar("T")
+
+#: Statuses worth another attempt: timeouts, conflicts, rate limits, server errors, Anthropic's 529.
+RETRYABLE_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 529})
+
+# How providers word a context-length refusal (OpenAI, vLLM, Ollama, llama.cpp, Anthropic).
+_CONTEXT_MARKERS = (
+    "context_length_exceeded",
+    "maximum context length",
+    "context length",
+    "context window",
+    "exceed_context_size",
+    "exceeds the available context size",
+    "prompt is too long",
+    "too many tokens",
+    "input is too long",
+)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with jitter; a server's Retry-After wins (capped)."""
+
+    max_attempts: int = 5
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    retry_after_max_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """Where and how an adapter talks to its provider. `api_key` never leaves the Authorization header."""
+
+    base_url: str
+    api_key: str | None = None
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 120.0
+    retry: RetryPolicy = RetryPolicy()
+    max_connections: int = 16
+
+
+def parse_retry_after(headers: httpx.Headers, now: float | None = None) -> float | None:
+    """Seconds to wait from `retry-after-ms` or `Retry-After` (seconds or an HTTP date)."""
+    ms = headers.get("retry-after-ms")
+    if ms:
+        try:
+            return max(0.0, float(ms) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - (now if now is not None else time.time()))
+
+
+def error_message(body: Any, fallback: str) -> str:
+    """The human message inside an error body of either wire format."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            code = err.get("code") or err.get("type")
+            return f"{err['message']}" + (f" ({code})" if code else "")
+        if isinstance(err, str):
+            return err
+        if body.get("message"):
+            return str(body["message"])
+    return fallback
+
+
+def is_context_overflow(status: int | None, message: str) -> bool:
+    if status not in (None, 400, 413, 422):
+        return False
+    lowered = message.lower()
+    return any(m in lowered for m in _CONTEXT_MARKERS)
+
+
+def status_error(response: httpx.Response, scrub: Scrubber) -> ProviderError:
+    """The ProviderError an HTTP error response stands for."""
+    try:
+        text = response.read().decode("utf-8", "replace")
+    except httpx.HTTPError:
+        text = ""
+    try:
+        body: Any = json.loads(text)
+    except json.JSONDecodeError:
+        body = None
+    message = scrub(error_message(body, text[:500] or response.reason_phrase))
+    status = response.status_code
+    detail = f"HTTP {status}: {message}"
+    if is_context_overflow(status, message):
+        return ContextOverflow(detail, status=status)
+    return ProviderError(
+        detail,
+        status=status,
+        retryable=status in RETRYABLE_STATUSES,
+        retry_after=parse_retry_after(response.headers),
+    )
+
+
+def iter_sse(lines: Iterator[str]) -> Iterator[tuple[str | None, str]]:
+    """(event, data) pairs of a server-sent-event stream; multi-line data is joined with newlines."""
+    event: str | None = None
+    data: list[str] = []
+    for line in lines:
+        if line == "":
+            if data:
+                yield event, "\n".join(data)
+            event, data = None, []
+            continue
+        if line.startswith(":"):
+            continue
+        field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "event":
+            event = value
+        elif field == "data":
+            data.append(value)
+    if data:
+        yield event, "\n".join(data)
+
+
+class HttpProvider:
+    """Base of the adapters: one pooled httpx client, retries around one attempt function."""
+
+    def __init__(self, settings: HttpSettings, *, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.settings = settings
+        self.scrub = Scrubber([settings.api_key] if settings.api_key else [])
+        self._sleep = sleep
+        self._client = httpx.Client(
+            timeout=httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s),
+            limits=httpx.Limits(max_connections=settings.max_connections),
+        )
+        policy = settings.retry
+        self._backoff = wait_exponential_jitter(
+            multiplier=policy.backoff_initial_s, max=policy.backoff_max_s, jitter=policy.backoff_initial_s
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    @staticmethod
+    def tether_headers(request: ModelRequest, attempt: int) -> dict[str, str]:
+        return {
+            "X-Tether-Run": request.run_id,
+            "X-Tether-Step": str(request.step),
+            "X-Tether-Call": str(request.call),
+            "X-Tether-Attempt": str(attempt),
+        }
+
+    def _wait(self, state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, ProviderError) and exc.retry_after is not None:
+            return min(exc.retry_after, self.settings.retry.retry_after_max_s)
+        return float(self._backoff(state))
+
+    def with_retries(self, request: ModelRequest, attempt_fn: Callable[[int], T]) -> tuple[T, int]:
+        """Run `attempt_fn(attempt_number)` until it succeeds or a non-retryable error / the last attempt."""
+        retrying = Retrying(
+            stop=stop_after_attempt(self.settings.retry.max_attempts),
+            wait=self._wait,
+            retry=retry_if_exception(lambda e: isinstance(e, ProviderError) and e.retryable),
+            reraise=True,
+            sleep=self._sleep,
+        )
+        attempt_number = 0
+        try:
+            for attempt in retrying:
+                with attempt:
+                    attempt_number = attempt.retry_state.attempt_number
+                    try:
+                        return attempt_fn(attempt_number), attempt_number
+                    except ProviderError as exc:
+                        log.info(
+                            "model_attempt_failed",
+                            run_id=request.run_id,
+                            step=request.step,
+                            attempt=attempt_number,
+                            status=exc.status,
+                            retryable=exc.retryable,
+                            detail=exc.detail,
+                        )
+                        raise
+        except ProviderError as exc:
+            exc.attempts = attempt_number
+            raise
+        raise ProviderError("no attempt was made", attempts=attempt_number)  # unreachable: stop_after_attempt >= 1
+
+    def post(
+        self,
+        request: ModelRequest,
+        url: str,
+        headers: dict[str, str],
+        body: dict[str, Any],
+        parse: Callable[[Any], T],
+        parse_stream: Callable[[Iterator[tuple[str | None, str]]], T],
+    ) -> tuple[T, int]:
+        """POST with retries; `parse` reads a JSON body, `parse_stream` an SSE stream."""
+
+        def attempt(n: int) -> T:
+            all_headers = {**headers, **self.tether_headers(request, n)}
+            try:
+                if request.stream:
+                    with self._client.stream("POST", url, json=body, headers=all_headers) as response:
+                        if response.status_code >= 400:
+                            raise status_error(response, self.scrub)
+                        return parse_stream(iter_sse(response.iter_lines()))
+                response = self._client.post(url, json=body, headers=all_headers)
+                if response.status_code >= 400:
+                    raise status_error(response, self.scrub)
+                try:
+                    data = response.json()
+                except json.JSONDecodeError as exc:
+                    raise ProviderError(f"response is not JSON: {exc}", status=response.status_code, retryable=True) from exc
+                return parse(data)
+            except httpx.TimeoutException as exc:
+                raise ProviderTimeout(f"{type(exc).__name__} talking to the model provider", retryable=True) from exc
+            except httpx.TransportError as exc:
+                raise ProviderError(
+                    f"{type(exc).__name__} talking to the model provider: {self.scrub(str(exc))}", retryable=True
+                ) from exc
+
+        return self.with_retries(request, attempt)

@@ -1,0 +1,195 @@
+"""Adapter for OpenAI-compatible chat completions with tools: OpenAI, vLLM, Ollama, llama.cpp, the scripted server."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from tether_planner.domain.messages import ChatMessage, ToolView
+from tether_planner.domain.validation import RawToolCall
+from tether_planner.providers.http import HttpProvider, HttpSettings, error_message, is_context_overflow
+from tether_planner.providers.port import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FINISH_TOOL_CALLS,
+    ContextOverflow,
+    ModelRequest,
+    ModelResponse,
+    ProviderError,
+)
+
+_FINISH = {
+    "stop": FINISH_STOP,
+    "eos": FINISH_STOP,
+    "tool_calls": FINISH_TOOL_CALLS,
+    "function_call": FINISH_TOOL_CALLS,
+    "length": FINISH_LENGTH,
+    "content_filter": FINISH_ERROR,
+}
+
+MaxTokensParam = Literal["auto", "max_tokens", "max_completion_tokens"]
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return str(content)
+
+
+def _arguments(value: Any) -> str:
+    # Some servers (Ollama) may hand arguments over as an object instead of JSON text.
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def to_wire_messages(system: str, messages: list[ChatMessage] | tuple[ChatMessage, ...]) -> list[dict[str, Any]]:
+    """The chat-completions `messages` for a working context."""
+    wire: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    for m in messages:
+        if m.role == "assistant":
+            out: dict[str, Any] = {"role": "assistant", "content": m.content or None}
+            if m.tool_calls:
+                out["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in m.tool_calls
+                ]
+            wire.append(out)
+        elif m.role == "tool":
+            wire.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": m.content})
+        else:
+            wire.append({"role": m.role, "content": m.content})
+    return wire
+
+
+def to_wire_tools(tools: list[ToolView] | tuple[ToolView, ...]) -> list[dict[str, Any]]:
+    return [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.schema()}}
+        for t in tools
+    ]
+
+
+class OpenAIChatProvider(HttpProvider):
+    """POST {base_url}/chat/completions with `Authorization: Bearer <key>` when a key is configured."""
+
+    def __init__(self, settings: HttpSettings, *, max_tokens_param: MaxTokensParam = "auto", **kw: Any) -> None:
+        super().__init__(settings, **kw)
+        if max_tokens_param == "auto":
+            # OpenAI's own API wants max_completion_tokens (required by reasoning models);
+            # other OpenAI-compatible servers know max_tokens.
+            max_tokens_param = "max_completion_tokens" if "api.openai.com" in settings.base_url else "max_tokens"
+        self.max_tokens_param = max_tokens_param
+
+    def body(self, request: ModelRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": request.model,
+            "messages": to_wire_messages(request.system, list(request.messages)),
+            self.max_tokens_param: request.max_tokens,
+        }
+        if request.tools:
+            body["tools"] = to_wire_tools(list(request.tools))
+        if request.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def complete(self, request: ModelRequest) -> ModelResponse:
+        headers = {"Content-Type": "application/json"}
+        if self.settings.api_key:
+            headers["Authorization"] = f"Bearer {self.settings.api_key}"
+        url = self.settings.base_url.rstrip("/") + "/chat/completions"
+        started = time.monotonic()
+        (text, calls, finish, usage_in, usage_out, model), attempts = self.post(
+            request, url, headers, self.body(request), lambda d: self._parse(d, request), lambda s: self._parse_stream(s, request)
+        )
+        return ModelResponse(
+            text=text,
+            tool_calls=tuple(calls),
+            finish_reason=finish,
+            input_tokens=usage_in,
+            output_tokens=usage_out,
+            attempts=attempts,
+            latency_ms=int((time.monotonic() - started) * 1000),
+            model=model or request.model,
+        )
+
+    @staticmethod
+    def _call_id(request: ModelRequest, index: int) -> str:
+        return f"call_{request.step}_{request.call}_{index}"
+
+    def _parse(self, data: Any, request: ModelRequest) -> tuple:
+        if not isinstance(data, dict) or not data.get("choices"):
+            message = error_message(data, "response has no choices")
+            if is_context_overflow(None, message):
+                raise ContextOverflow(self.scrub(message))
+            raise ProviderError(f"malformed provider response: {self.scrub(message)}", retryable=True)
+        choice = data["choices"][0]
+        message = choice.get("message") or {}
+        calls = []
+        for i, c in enumerate(message.get("tool_calls") or []):
+            fn = c.get("function") or {}
+            calls.append(RawToolCall(c.get("id") or self._call_id(request, i), str(fn.get("name", "")), _arguments(fn.get("arguments"))))
+        finish = _FINISH.get(choice.get("finish_reason") or "", FINISH_TOOL_CALLS if calls else FINISH_STOP)
+        usage = data.get("usage") or {}
+        return (
+            _text(message.get("content")),
+            calls,
+            finish,
+            usage.get("prompt_tokens"),
+            usage.get("completion_tokens"),
+            data.get("model"),
+        )
+
+    def _parse_stream(self, events: Iterator[tuple[str | None, str]], request: ModelRequest) -> tuple:
+        text: list[str] = []
+        slots: dict[int, dict[str, Any]] = {}
+        finish: str | None = None
+        usage: dict[str, Any] = {}
+        model = None
+        done = False
+        for _event, data in events:
+            if data.strip() == "[DONE]":
+                done = True
+                break
+            try:
+                chunk = json.loads(data)
+            except json.JSONDecodeError as exc:
+                raise ProviderError(f"malformed stream chunk: {exc}", retryable=True) from exc
+            if isinstance(chunk, dict) and chunk.get("error"):
+                message = self.scrub(error_message(chunk, "error in stream"))
+                if is_context_overflow(None, message):
+                    raise ContextOverflow(message)
+                raise ProviderError(f"stream error: {message}", retryable=True)
+            model = chunk.get("model") or model
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    text.append(_text(delta["content"]))
+                for tc in delta.get("tool_calls") or []:
+                    slot = slots.setdefault(int(tc.get("index", len(slots))), {"id": None, "name": "", "arguments": ""})
+                    if tc.get("id"):
+                        slot["id"] = tc["id"]
+                    fn = tc.get("function") or {}
+                    if fn.get("name"):
+                        slot["name"] += fn["name"]
+                    if fn.get("arguments") is not None:
+                        slot["arguments"] += _arguments(fn["arguments"])
+                if choice.get("finish_reason"):
+                    finish = choice["finish_reason"]
+        if not done and finish is None:
+            raise ProviderError("stream ended before the response was complete", retryable=True)
+        calls = [
+            RawToolCall(slots[i]["id"] or self._call_id(request, n), slots[i]["name"], slots[i]["arguments"])
+            for n, i in enumerate(sorted(slots))
+        ]
+        normalised = _FINISH.get(finish or "", FINISH_TOOL_CALLS if calls else FINISH_STOP)
+        return "".join(text), calls, normalised, usage.get("prompt_tokens"), usage.get("completion_tokens"), model

@@ -1,0 +1,63 @@
+"""The planner's settings (env prefix TETHER_PLANNER_; provider credentials from their usual names)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr
+from pydantic_settings import SettingsConfigDict
+
+from tether_runtime.settings import ServiceSettings
+
+
+class PlannerSettings(ServiceSettings):
+    """Everything `python -m tether_planner` reads from the environment.
+
+    API keys are `SecretStr`: they are handed to the adapters' HTTP headers and nowhere else
+    (never logged, never put in events).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="TETHER_PLANNER_", extra="ignore", populate_by_name=True)
+
+    declare_topics: bool = Field(True, description="Create missing topics at start-up (idempotent).")
+
+    # -- providers --------------------------------------------------------------------------
+    openai_api_key: SecretStr | None = Field(None, validation_alias=AliasChoices("OPENAI_API_KEY"))
+    anthropic_api_key: SecretStr | None = Field(None, validation_alias=AliasChoices("ANTHROPIC_API_KEY"))
+    llm_base_url: str | None = Field(
+        None,
+        validation_alias=AliasChoices("TETHER_LLM_BASE_URL"),
+        description="Base URL (…/v1) of the OpenAI-compatible server: vLLM, Ollama, llama.cpp, the scripted server.",
+    )
+    openai_base_url: str = Field("https://api.openai.com/v1", description="Used when TETHER_LLM_BASE_URL is not set.")
+    anthropic_base_url: str = Field("https://api.anthropic.com", description="Base URL of the Messages API.")
+    anthropic_version: str = Field("2023-06-01", description="The anthropic-version header.")
+    openai_max_tokens_param: Literal["auto", "max_tokens", "max_completion_tokens"] = Field(
+        "auto", description="auto: max_completion_tokens for api.openai.com, max_tokens elsewhere."
+    )
+    stream: bool = Field(False, description="Stream responses (SSE) instead of waiting for the whole body.")
+
+    # -- retries and timeouts ----------------------------------------------------------------
+    connect_timeout_s: float = Field(10.0, gt=0)
+    read_timeout_s: float = Field(120.0, gt=0, description="Per read; with streaming, between chunks.")
+    max_attempts: int = Field(5, ge=1, description="HTTP attempts per model call (429/5xx/timeouts are retried).")
+    backoff_initial_s: float = Field(0.5, ge=0)
+    backoff_max_s: float = Field(30.0, ge=0)
+    retry_after_max_s: float = Field(60.0, ge=0, description="Longest Retry-After honoured.")
+
+    # -- the step -----------------------------------------------------------------------------
+    max_output_tokens: int = Field(4096, ge=1, description="Upper bound of max_tokens (also bounded by the grant).")
+    malformed_limit: int = Field(3, ge=1, description="Consecutive invalid responses after which the step fails.")
+    compaction_keep_turns: int = Field(2, ge=1, description="Turns kept verbatim when compacting.")
+    summary_max_chars: int = Field(6000, ge=200)
+
+    # -- records ------------------------------------------------------------------------------
+    assistant_text_max_chars: int = Field(8000, ge=100)
+    answer_max_chars: int = Field(64000, ge=100)
+    tool_result_max_chars: int = Field(16000, ge=100, description="Cap on one tool result in the model's context.")
+
+    # -- pricing ------------------------------------------------------------------------------
+    pricing_file: Path | None = Field(None, description='JSON {"version": ..., "models": {"name": [in, out]}} (USD/Mtok).')
+    default_input_usd_per_mtok: float = Field(10.0, ge=0, description="Price of an unknown model's input.")
+    default_output_usd_per_mtok: float = Field(30.0, ge=0, description="Price of an unknown model's output.")

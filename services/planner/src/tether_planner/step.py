@@ -1,0 +1,295 @@
+"""One step's model work, run on a worker thread: compaction, the model call, checks, repairs.
+
+`run_step` gets an immutable snapshot of the run's working context and returns a
+`StepSucceeded` or `StepFailed`; it never touches the loop's context. The handler turns the
+result into events on the loop thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from tether_planner.domain.canonical import call_id as make_call_id
+from tether_planner.domain.compaction import compact, estimate_tokens, over_threshold
+from tether_planner.domain.context import for_request
+from tether_planner.domain.messages import ChatMessage, PinnedModel, ToolCallRef, ToolView, UsageTotals
+from tether_planner.domain.provenance import provenance_of
+from tether_planner.domain.untrusted import wrap_tool_result
+from tether_planner.domain.validation import NOT_EXECUTED, CallProblem, RawToolCall, ValidCall, check_calls
+from tether_planner.pricing import PricingTable
+from tether_planner.providers.port import ContextOverflow, ModelProvider, ModelRequest, ProviderError
+
+log = structlog.get_logger("tether_planner.step")
+
+#: ModelCallFailed error codes.
+PROVIDER_ERROR = "PROVIDER_ERROR"
+MALFORMED_OUTPUT = "MALFORMED_OUTPUT"
+CONTEXT_OVERFLOW = "CONTEXT_OVERFLOW"
+TIMEOUT = "TIMEOUT"
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Knobs of a step (from settings)."""
+
+    max_output_tokens: int = 4096
+    #: Consecutive responses with invalid tool calls after which the step fails.
+    malformed_limit: int = 3
+    stream: bool = False
+    keep_turns: int = 2
+    emergency_keep_turns: int = 1
+    summary_max_chars: int = 6000
+    error_result_max_chars: int = 4000
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """A snapshot of what the step's model call needs, taken on the loop thread."""
+
+    run_id: str
+    step: int
+    model: PinnedModel
+    system: str
+    #: The working context; messages[0] is the goal.
+    messages: tuple[ChatMessage, ...]
+    offered: tuple[ToolView, ...]
+    tools: Mapping[str, ToolView]
+    remaining_tokens: int
+    compaction_threshold: float
+
+
+@dataclass(frozen=True)
+class PlannedCall:
+    """A checked tool call, ready to become a ToolCallRequested."""
+
+    call_index: int
+    tool_name: str
+    args_json: str
+    provider_call_id: str
+    provenance_json: str
+
+
+@dataclass(frozen=True)
+class StepSucceeded:
+    """The model answered usably: tool calls to request, or (no calls) the final answer `text`."""
+
+    step: int
+    text: str
+    calls: tuple[PlannedCall, ...]
+    finish_reason: str
+    usage: UsageTotals
+    attempts: int
+    latency_ms: int
+    compacted: bool
+    priced: bool
+    model_calls: int
+    #: The new working context (compacted, with the step's repairs and answer) and how many
+    #: messages of the snapshot it was built from.
+    messages: tuple[ChatMessage, ...]
+    base_len: int
+
+    @property
+    def final(self) -> bool:
+        return not self.calls
+
+
+@dataclass(frozen=True)
+class StepFailed:
+    """No usable response: the step fails with a ModelCallFailed code."""
+
+    step: int
+    error_code: str
+    detail: str
+    usage: UsageTotals
+    attempts: int
+    compacted: bool
+    priced: bool
+    model_calls: int
+    messages: tuple[ChatMessage, ...] = field(default=())
+    base_len: int = 0
+
+
+StepResult = StepSucceeded | StepFailed
+
+
+def _estimate_output(text: str, calls: Sequence[RawToolCall]) -> int:
+    return max(1, math.ceil((len(text) + sum(len(c.name) + len(c.arguments) for c in calls)) / 4))
+
+
+def _unique_ids(calls: Sequence[RawToolCall], step: int, model_call: int) -> list[RawToolCall]:
+    # Tool results are matched to calls by id, so every call needs a distinct, non-empty one.
+    seen: set[str] = set()
+    out = []
+    for i, c in enumerate(calls):
+        cid = c.id or f"call_{step}_{model_call}_{i}"
+        if cid in seen:
+            cid = f"{cid}_{i}"
+        seen.add(cid)
+        out.append(RawToolCall(cid, c.name, c.arguments))
+    return out
+
+
+def _repair_messages(
+    text: str, step: int, checked: Sequence[ValidCall | CallProblem], offered: Sequence[str], max_chars: int
+) -> list[ChatMessage]:
+    raws = [c.raw for c in checked]
+    assistant = ChatMessage(
+        role="assistant",
+        content=text,
+        tool_calls=tuple(ToolCallRef(id=r.id, name=r.name, arguments=r.arguments) for r in raws),
+        step=step,
+        repair=True,
+    )
+    answers = [
+        ChatMessage(
+            role="tool",
+            content=wrap_tool_result(
+                tool_name=p.raw.name,
+                call_id=p.raw.id,
+                status="rejected",
+                content=p.as_error(offered),
+                untrusted=False,
+                max_chars=max_chars,
+            ),
+            tool_call_id=p.raw.id,
+            tool_name=p.raw.name,
+            step=step,
+            repair=True,
+        )
+        for p in checked
+        if isinstance(p, CallProblem)
+    ]
+    return [assistant, *answers]
+
+
+@dataclass
+class _Tally:
+    """What the step's model calls consumed so far."""
+
+    usage: UsageTotals = field(default_factory=UsageTotals)
+    attempts: int = 0
+    latency_ms: int = 0
+    priced: bool = True
+    model_calls: int = 0
+
+
+def run_step(
+    inp: StepInput,
+    provider: Callable[[], ModelProvider],
+    pricing: PricingTable,
+    config: StepConfig,
+) -> StepResult:
+    """Call the model for one step until it gives a usable answer, the repairs run out, or it fails.
+
+    `provider` is a factory, so choosing the adapter (which fails for an unknown provider)
+    happens here, off the loop thread, and ends as a StepFailed like any other error.
+    """
+    base_len = len(inp.messages)
+    working = list(inp.messages)
+    tally = _Tally()
+    compacted = False
+
+    def failed(code: str, detail: str) -> StepFailed:
+        return StepFailed(
+            inp.step, code, detail, tally.usage, tally.attempts, compacted, tally.priced, tally.model_calls,
+            tuple(working), base_len,
+        )
+
+    def succeeded(text: str, calls: tuple[PlannedCall, ...], finish_reason: str) -> StepSucceeded:
+        return StepSucceeded(
+            inp.step, text, calls, finish_reason, tally.usage, tally.attempts, tally.latency_ms, compacted,
+            tally.priced, tally.model_calls, tuple(working), base_len,
+        )
+
+    try:
+        adapter = provider()
+    except ProviderError as exc:
+        return failed(PROVIDER_ERROR, exc.detail)
+
+    estimated = estimate_tokens(inp.system, working, inp.offered)
+    if over_threshold(estimated, inp.model.context_window_tokens, inp.compaction_threshold):
+        c = compact(working, keep_turns=config.keep_turns, summary_max_chars=config.summary_max_chars)
+        if c is not None:
+            working = c.apply(working)
+            compacted = True
+            log.info("context_compacted", run_id=inp.run_id, step=inp.step, estimated_tokens=estimated, replaced=c.replaced)
+
+    emergency_used = False
+    failures = 0
+    offered_names = [t.name for t in inp.offered]
+    while True:
+        context = for_request(working)
+        estimated = estimate_tokens(inp.system, context, inp.offered)
+        used = tally.usage.input_tokens + tally.usage.output_tokens
+        request = ModelRequest(
+            model=inp.model.name,
+            system=inp.system,
+            messages=tuple(context),
+            tools=inp.offered,
+            max_tokens=max(1, min(config.max_output_tokens, inp.remaining_tokens - used - estimated)),
+            run_id=inp.run_id,
+            step=inp.step,
+            call=tally.model_calls,
+            stream=config.stream,
+        )
+        tally.model_calls += 1
+        try:
+            response = adapter.complete(request)
+        except ContextOverflow as exc:
+            tally.attempts += exc.attempts
+            c = None
+            if not emergency_used:
+                c = compact(working, keep_turns=config.emergency_keep_turns, summary_max_chars=config.summary_max_chars)
+            if c is None:
+                return failed(CONTEXT_OVERFLOW, f"the context does not fit the model's window even after compaction: {exc.detail}")
+            emergency_used = True
+            working = c.apply(working)
+            compacted = True
+            log.warning("emergency_compaction", run_id=inp.run_id, step=inp.step, replaced=c.replaced)
+            continue
+        except ProviderError as exc:
+            tally.attempts += exc.attempts
+            return failed(exc.code, exc.detail)
+
+        calls = _unique_ids(response.tool_calls, inp.step, request.call)
+        input_tokens = response.input_tokens if response.input_tokens is not None else estimated
+        output_tokens = response.output_tokens if response.output_tokens is not None else _estimate_output(response.text, calls)
+        cost = pricing.cost(inp.model.name, input_tokens, output_tokens)
+        tally.usage = tally.usage + UsageTotals(
+            input_tokens=input_tokens, output_tokens=output_tokens, cost_usd_micros=cost.usd_micros
+        )
+        tally.attempts += response.attempts
+        tally.latency_ms += response.latency_ms
+        tally.priced = tally.priced and cost.priced
+
+        if not calls:
+            working.append(ChatMessage(role="assistant", content=response.text, step=inp.step))
+            return succeeded(response.text, (), response.finish_reason)
+
+        checked = check_calls(calls, inp.tools)
+        valid = [c for c in checked if isinstance(c, ValidCall)]
+        if len(valid) == len(checked):
+            planned = tuple(
+                PlannedCall(i, v.raw.name, v.args_json, v.raw.id, provenance_of(v.args, working))
+                for i, v in enumerate(valid)
+            )
+            refs = tuple(
+                ToolCallRef(
+                    id=p.provider_call_id, name=p.tool_name, arguments=p.args_json, call_id=make_call_id(inp.step, p.call_index)
+                )
+                for p in planned
+            )
+            working.append(ChatMessage(role="assistant", content=response.text, tool_calls=refs, step=inp.step))
+            return succeeded(response.text, planned, response.finish_reason)
+
+        failures += 1
+        problems = [c for c in checked if isinstance(c, CallProblem) and c.code != NOT_EXECUTED]
+        summary = "; ".join(f"{p.code} {p.raw.name}: {p.detail}" for p in problems)
+        log.info("malformed_tool_calls", run_id=inp.run_id, step=inp.step, failures=failures, problems=summary)
+        working.extend(_repair_messages(response.text, inp.step, checked, offered_names, config.error_result_max_chars))
+        if failures >= config.malformed_limit:
+            return failed(MALFORMED_OUTPUT, f"{failures} consecutive responses with invalid tool calls; last: {summary}")
