@@ -158,3 +158,20 @@ def test_cli_process_reports_its_port_and_records(tmp_path, kind):
                 smtp.sendmail("a@x.test", ["b@x.test"], "Subject: hi\r\n\r\nbody\r\n")
         assert len(svc.records()) == 1
     assert svc.process.returncode == 0
+
+
+@pytest.mark.parametrize("kind", ["kv", "smtp"])
+def test_delayed_service_records_the_effect_before_it_answers(record, kind):
+    # The client gives up long before the answer; the effect is recorded anyway.
+    if kind == "kv":
+        with start_kv_service(str(record), delay_ms=5_000) as svc:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.put(f"{svc.url}/kv/d", json={"value": 1}, timeout=0.3)
+            got = httpx.get(f"{svc.url}/kv/d").json()
+        assert got["value"] == 1
+    else:
+        with start_smtp_sink(str(record), delay_ms=5_000) as svc:
+            with pytest.raises((TimeoutError, smtplib.SMTPException, OSError)):
+                with smtplib.SMTP(svc.host, svc.port, timeout=0.3) as smtp:
+                    smtp.sendmail("a@x.test", ["b@x.test"], "Subject: hi\r\n\r\nbody\r\n")
+    assert len(read_records(record)) == 1

@@ -21,12 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="port to listen on (0 picks a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback only by default)")
     parser.add_argument("--record", required=True, help="JSONL file every effect is appended to")
+    parser.add_argument("--delay-ms", type=int, default=0,
+                        help="answer every request this much later (the effect is recorded at once)")
     args = parser.parse_args(argv)
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    service = STARTERS[args.kind](args.record, host=args.host, port=args.port)
+    service = STARTERS[args.kind](args.record, host=args.host, port=args.port, delay_ms=args.delay_ms)
     # One JSON line on stdout tells a launcher where we listen (useful with --port 0).
     print(json.dumps({"service": args.kind, "host": service.host, "port": service.port, "url": service.url}), flush=True)
     try:

@@ -8,7 +8,7 @@ Endpoints (any method):
   /redirect?to=<url>  302 to <url>
   anything else       200 JSON echo of the request
 Every request is recorded (method, path, query, body, Idempotency-Key) before it is answered,
-so an effect is counted even when the client gives up waiting.
+so an effect is counted even when the client gives up waiting. `delay_ms` delays every answer.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ _HUGE_CHUNK = 64 * 1024
 
 class _HttpTestHandler(JsonHandler):
     recorder: EffectRecorder
+    delay_ms: int = 0
 
     def _handle(self) -> None:
         parts = urlsplit(self.path)
@@ -47,6 +48,8 @@ class _HttpTestHandler(JsonHandler):
             "idempotency_key": self.headers.get("Idempotency-Key"),
         }
         self.recorder.record(**request)
+        if self.delay_ms:
+            time.sleep(self.delay_ms / 1000)
         segments = [s for s in path.split("/") if s]
         head = segments[0] if segments else ""
         arg = segments[1] if len(segments) > 1 else ""
@@ -78,8 +81,8 @@ class _HttpTestHandler(JsonHandler):
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _handle
 
 
-def start_http_service(record: str, host: str = "127.0.0.1", port: int = 0) -> RunningService:
+def start_http_service(record: str, host: str = "127.0.0.1", port: int = 0, delay_ms: int = 0) -> RunningService:
     """Start the HTTP test service on a background thread, recording to `record`."""
     recorder = EffectRecorder(record, "http")
-    handler = type("HttpTestHandler", (_HttpTestHandler,), {"recorder": recorder})
+    handler = type("HttpTestHandler", (_HttpTestHandler,), {"recorder": recorder, "delay_ms": delay_ms})
     return serve_http("http", handler, host, port, recorder.close)

@@ -8,7 +8,8 @@ attempt (applied=false, duplicate=true) and answered with the first response plu
 `Idempotent-Replayed: true`; the same key with a different request is a 422 conflict. So the
 record file shows both facts: how many attempts arrived, and how many were applied.
 The store's state is rebuilt from the record file at start-up, so a restart keeps both the
-values and the idempotency keys.
+values and the idempotency keys. With `delay_ms`, every write is applied and recorded at once
+but answered only after the delay (a client can die between the effect and the answer).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -54,6 +56,7 @@ def _key_from_path(path: str) -> str | None:
 class _KvHandler(JsonHandler):
     recorder: EffectRecorder
     state: KvState
+    delay_ms: int = 0
 
     def do_GET(self) -> None:
         key = _key_from_path(self.path)
@@ -105,12 +108,14 @@ class _KvHandler(JsonHandler):
                                      duplicate=False, conflict=False, status=status, version=version,
                                      fingerprint=fingerprint, response=response)
                 headers = {}
+        if self.delay_ms:
+            time.sleep(self.delay_ms / 1000)
         self.send_json(status, response, headers)
 
 
-def start_kv_service(record: str, host: str = "127.0.0.1", port: int = 0) -> RunningService:
+def start_kv_service(record: str, host: str = "127.0.0.1", port: int = 0, delay_ms: int = 0) -> RunningService:
     """Start the KV store on a background thread; its state is rebuilt from `record` if it exists."""
     state = KvState.from_records(read_records(record))
     recorder = EffectRecorder(record, "kv")
-    handler = type("KvHandler", (_KvHandler,), {"recorder": recorder, "state": state})
+    handler = type("KvHandler", (_KvHandler,), {"recorder": recorder, "state": state, "delay_ms": delay_ms})
     return serve_http("kv", handler, host, port, recorder.close)

@@ -53,10 +53,12 @@ class DevServiceProcess:
         self.stop()
 
 
-def spawn(kind: str, record: str | os.PathLike[str], port: int = 0, host: str = "127.0.0.1") -> DevServiceProcess:
+def spawn(kind: str, record: str | os.PathLike[str], port: int = 0, host: str = "127.0.0.1",
+          delay_ms: int = 0) -> DevServiceProcess:
     """Start `python -m tether_devservices <kind>` and return once it reports its address."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tether_devservices", kind, "--port", str(port), "--host", host, "--record", str(record)],
+        [sys.executable, "-m", "tether_devservices", kind, "--port", str(port), "--host", host, "--record", str(record),
+         "--delay-ms", str(delay_ms)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         stdin=subprocess.DEVNULL,

@@ -1,4 +1,8 @@
-"""An SMTP sink: accepts every message and records from/to/subject/body; delivers nothing."""
+"""An SMTP sink: accepts every message and records from/to/subject/body; delivers nothing.
+
+With `delay_ms`, a message is recorded at once but its "250 OK" comes only after the delay
+(a client can die after the mail was taken and before it heard so).
+"""
 
 from __future__ import annotations
 
@@ -29,8 +33,9 @@ def _header(msg: EmailMessage, name: str) -> str:
 
 
 class _RecordingHandler:
-    def __init__(self, recorder: EffectRecorder) -> None:
+    def __init__(self, recorder: EffectRecorder, delay_ms: int = 0) -> None:
         self.recorder = recorder
+        self.delay_ms = delay_ms
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         raw = envelope.original_content or envelope.content or b""
@@ -46,13 +51,15 @@ class _RecordingHandler:
             message_id=_header(msg, "Message-ID"),
             idempotency_key=_header(msg, "X-Idempotency-Key") or None,
         )
+        if self.delay_ms:
+            await asyncio.sleep(self.delay_ms / 1000)
         return "250 OK: recorded"
 
 
-def start_smtp_sink(record: str, host: str = "127.0.0.1", port: int = 0) -> RunningService:
+def start_smtp_sink(record: str, host: str = "127.0.0.1", port: int = 0, delay_ms: int = 0) -> RunningService:
     """Start the SMTP sink on a background thread with its own event loop."""
     recorder = EffectRecorder(record, "smtp")
-    handler = _RecordingHandler(recorder)
+    handler = _RecordingHandler(recorder, delay_ms)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="devservice-smtp", daemon=True)
     thread.start()

@@ -1,0 +1,81 @@
+"""Builds the gateway's processor and adapters from settings; `Gateway.open()` does the start-up I/O."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from psycopg_pool import ConnectionPool
+
+from tether_messaging.blobstore import PostgresBlobStore
+from tether_messaging.topics import Topics
+from tether_tool_gateway.domain.policy import BasicPolicy
+from tether_tool_gateway.domain.results import ResultLimits
+from tether_tool_gateway.entrypoint import GatewayProcessor
+from tether_tool_gateway.execution import ToolRunner
+from tether_tool_gateway.executors.builtin import BuiltinExecutor
+from tether_tool_gateway.handlers import Deps
+from tether_tool_gateway.ledger.port import Owner
+from tether_tool_gateway.ledger.postgres import PostgresLedger
+from tether_tool_gateway.ports import MappingSecretProvider, PassthroughRedactor
+from tether_tool_gateway.settings import GatewaySettings
+
+
+@dataclass
+class Gateway:
+    """The wired service: the processor for the loop, and the resources to open and close."""
+
+    processor: GatewayProcessor
+    runner: ToolRunner
+    pool: ConnectionPool
+    ledger: PostgresLedger
+    blobs: PostgresBlobStore
+
+    def open(self) -> None:
+        """Connect to PostgreSQL and create the ledger and blob schemas if missing."""
+        self.pool.open(wait=True, timeout=30)
+        self.ledger.ensure_schema()
+        self.blobs.ensure_schema()
+
+    def close(self) -> None:
+        self.runner.close()
+        self.pool.close()
+
+
+def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None) -> Gateway:
+    """Every adapter the settings describe (no I/O until `open`)."""
+    pool = ConnectionPool(settings.pg_dsn, min_size=1, max_size=settings.pg_pool_max, open=False,
+                          name="tool-gateway")
+    ledger = PostgresLedger(pool, schema=settings.ledger_schema)
+    blobs = PostgresBlobStore(pool, schema=settings.blob_schema)
+    # The instance slot is stable across restarts; the boot id tells this life from the last,
+    # so an intent our previous life left behind is taken over at once.
+    owner = Owner(instance=f"{GatewayProcessor.name}-{settings.instance_id}", boot=boot_id or uuid.uuid4().hex)
+    runner = ToolRunner(
+        ledger=ledger,
+        executors={"builtin": BuiltinExecutor()},
+        blobs=blobs,
+        owner=owner,
+        secrets=MappingSecretProvider(),
+        redactor=PassthroughRedactor(),
+        limits=ResultLimits(inline_max_bytes=settings.inline_result_max_bytes, max_bytes=settings.result_max_bytes),
+        lease_ms=settings.lease_ms,
+        heartbeat_ms=settings.heartbeat_ms,
+        max_parallel=settings.execution_threads,
+    )
+    deps = Deps(
+        topics=Topics(settings.topic_prefix),
+        policy=BasicPolicy(approval_ttl_ms=settings.approval_ttl_ms),
+        runner=runner,
+        recheck_ms=settings.recheck_ms,
+        stall_ms=settings.stall_ms,
+    )
+    processor = GatewayProcessor(deps, sweep_interval_ms=settings.sweep_interval_ms, sweep_limit=settings.sweep_limit)
+    return Gateway(processor=processor, runner=runner, pool=pool, ledger=ledger, blobs=blobs)
+
+
+def declare_topics(settings: GatewaySettings) -> None:
+    """Create the topics the gateway reads and writes (and its changelog) if missing; idempotent."""
+    from tether_messaging.admin import declare_topics as declare
+
+    declare(settings.kafka_bootstrap, settings.partitions, [GatewayProcessor.name], prefix=settings.topic_prefix)

@@ -1,0 +1,43 @@
+"""The tool-gateway's settings (env prefix TETHER_GATEWAY_; shared infrastructure from TETHER_*)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from tether_runtime.settings import ServiceSettings
+
+
+class GatewaySettings(ServiceSettings):
+    """Everything `python -m tether_tool_gateway` reads from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="TETHER_GATEWAY_", extra="ignore", populate_by_name=True)
+
+    declare_topics: bool = Field(True, description="Create missing topics at start-up (idempotent).")
+
+    # -- PostgreSQL -------------------------------------------------------------------------
+    ledger_schema: str = Field("gateway", description="Schema of the idempotency ledger (created at start-up).")
+    blob_schema: str = Field("blobs", description="Schema of the shared content-addressed store (claim checks).")
+    pg_pool_max: int = Field(10, ge=1, description="Most PostgreSQL connections this instance opens.")
+
+    # -- execution and leases ---------------------------------------------------------------
+    lease_ms: int = Field(30_000, ge=1_000, description="How long an execution's lease lasts without a heartbeat.")
+    heartbeat_ms: int = Field(10_000, ge=100, description="How often a running execution extends its lease.")
+    recheck_ms: int = Field(2_000, ge=100, description="Wait before looking again at a call another instance holds.")
+    stall_ms: int = Field(120_000, ge=1_000, description="When an unfinished execution's work is started again.")
+    sweep_interval_ms: int = Field(5_000, ge=100, description="How often each owned partition's expired leases are swept.")
+    sweep_limit: int = Field(100, ge=1, description="Most intents one sweep takes over.")
+    execution_threads: int = Field(16, ge=1, description="Threads running tool executions (besides the loop's work threads).")
+
+    # -- results and policy -----------------------------------------------------------------
+    inline_result_max_bytes: int = Field(64 * 1024, ge=1, description="Larger results go to the blob store.")
+    result_max_bytes: int = Field(8 * 1024 * 1024, ge=1, description="Larger results fail with OVERSIZED_RESULT.")
+    approval_ttl_ms: int = Field(7 * 24 * 3_600_000, ge=1, description="How long an approval request stays open.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GatewaySettings:
+        if self.heartbeat_ms >= self.lease_ms:
+            raise ValueError("heartbeat_ms must be shorter than lease_ms, or leases lapse while tools run")
+        if self.inline_result_max_bytes > self.result_max_bytes:
+            raise ValueError("inline_result_max_bytes must not exceed result_max_bytes")
+        return self
