@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import structlog
@@ -88,11 +89,18 @@ def declare_specs(
         except KafkaException as exc:
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise TopicDeclarationFailed(f"creating {name!r}: {exc.args[0].str()}") from exc
-    md = admin.list_topics(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # A just-created topic takes a moment to appear in metadata.
+        md = admin.list_topics(timeout=timeout_s)
+        missing = [s.name for s in specs if s.name not in md.topics or md.topics[s.name].error is not None]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise TopicDeclarationFailed(f"topics not visible after declaration: {missing}")
+        time.sleep(0.2)
     for s in specs:
-        topic = md.topics.get(s.name)
-        if topic is None or topic.error is not None:
-            raise TopicDeclarationFailed(f"topic {s.name!r} is not visible after declaration: {topic and topic.error}")
-        if len(topic.partitions) != partitions:
-            raise PartitionCountMismatch(s.name, partitions, len(topic.partitions))
+        actual = len(md.topics[s.name].partitions)
+        if actual != partitions:
+            raise PartitionCountMismatch(s.name, partitions, actual)
     return created
