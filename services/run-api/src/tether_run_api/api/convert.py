@@ -32,11 +32,15 @@ _APPROVAL_TO_PB = {
 APPROVAL_FROM_PB = {v: k for k, v in _APPROVAL_TO_PB.items()}
 
 
+_MAX_TS_MS = 253402300799_000  # 9999-12-31T23:59:59Z, the largest protobuf Timestamp
+
+
 def ts(ms: int | None) -> Timestamp | None:
     if ms is None:
         return None
     t = Timestamp()
-    t.FromMilliseconds(ms)
+    # A read-model value outside Timestamp's range must not fail the whole response.
+    t.FromMilliseconds(min(max(ms, 0), _MAX_TS_MS))
     return t
 
 

@@ -47,7 +47,18 @@ def _options(
     api_key: Annotated[str | None, typer.Option(help="API key (env TETHER_API_KEY)")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")] = False,
 ) -> None:
+    _reset()
     _STATE.update(addr=addr, api_key=api_key, json=json_output)
+
+
+def _reset() -> None:
+    """Close what a previous invocation in this process opened (tests invoke the app repeatedly)."""
+    client = _STATE.pop("client", None)
+    if client is not None:
+        client.close()
+    for close in _STATE.pop("closers", []):
+        close()
+    _STATE.clear()
 
 
 def _client() -> Client:
@@ -521,11 +532,7 @@ def main() -> None:
         render.err_console.print(f"[red]error[/] {err}")
         raise SystemExit(err.exit_code) from None
     finally:
-        client = _STATE.pop("client", None)
-        if client is not None:
-            client.close()
-        for close in _STATE.pop("closers", []):
-            close()
+        _reset()
 
 
 if __name__ == "__main__":

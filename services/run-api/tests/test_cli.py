@@ -1,0 +1,186 @@
+"""The tether CLI against a run-api on loopback backed by fakes, and its resuming event follower."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from typer.testing import CliRunner
+
+from tether_api.v1 import run_service_pb2 as runs_pb
+from tether_contracts.records import TerminationReport
+from tether_run_api import handlers
+from tether_run_api.api.server import start_server
+from tether_run_api.api.servicers import Services
+from tether_run_api.cli import main as cli
+from tether_run_api.cli.client import CliError
+from tether_run_api.domain.admission import SubmitRateLimiter
+from tether_run_api.domain.auth import ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER, Principal, hash_api_key
+from tether_run_api.domain.catalog import AgentDraft, CapsDraft, CatalogLimits
+from tether_run_api.domain.views import ApprovalView, EventView, RunStatus, RunView
+from tether_run_api.testing import (
+    FakeApiKeys,
+    FakeCatalog,
+    FakeLedger,
+    FakeLiveEvents,
+    FakePublisher,
+    FakeReadModel,
+)
+
+KEY = "tk_cli_" + "k" * 30
+ME = Principal("acme", "alice", frozenset({ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER}))
+
+
+@pytest.fixture
+def env(monkeypatch) -> Iterator[Services]:
+    keys = FakeApiKeys()
+    keys.keys[hash_api_key(KEY)] = ME
+    services = Services(
+        keys=keys, catalog=FakeCatalog(), ledger=FakeLedger(), read_model=FakeReadModel(), live=FakeLiveEvents(),
+        publisher=FakePublisher(), limiter=SubmitRateLimiter(100, 100), partitioning=handlers.Partitioning(3),
+        stream_policy=handlers.StreamPolicy(block_ms=10, gap_wait_s=0.5, gap_poll_s=0.01),
+    )
+    handlers.create_agent(
+        AgentDraft(agent_id="demo", display_name="Demo", instructions="Help.", model_provider="openai",
+                   model_name="m", caps=CapsDraft(max_steps=3, max_wall_clock_ms=1000, max_tokens=1000,
+                                                  max_cost_usd_micros=1000)),
+        "", principal=ME, now_ms=1, catalog=services.catalog, limits=CatalogLimits(),
+    )
+    server = start_server(services, port=0, workers=8)
+    monkeypatch.setenv("TETHER_ADDR", f"127.0.0.1:{server.port}")
+    monkeypatch.setenv("TETHER_API_KEY", KEY)
+    yield services
+    server.stop(0)
+
+
+def invoke(*args: str, input: str | None = None):  # noqa: A002 (click's name)
+    return CliRunner().invoke(cli.app, list(args), catch_exceptions=True, input=input)
+
+
+def complete_run(services: Services, run_id: str, answer: str = "42") -> None:
+    events = [EventView(run_id, 1, "e1", "tether.v1.RunAccepted", 1000, "{}"),
+              EventView(run_id, 2, "e2", "tether.v1.RunCompleted", 1500, json.dumps({"step": 1, "answer": answer}))]
+    services.read_model.add_events("acme", events)
+    services.read_model.runs[("acme", run_id)] = RunView(run_id, RunStatus.COMPLETED, agent_id="demo",
+                                                          agent_version=1, goal="g", answer=answer, last_seq=2)
+
+
+def test_run_without_watch_prints_the_run_id(env: Services) -> None:
+    result = invoke("run", "Find it", "--request-id", "fixed-1")
+    assert result.exit_code == 0, result.output
+    run_id = result.stdout.strip()
+    assert env.ledger.find_run("acme", run_id) is not None
+    assert invoke("run", "Find it", "--request-id", "fixed-1").stdout.strip() == run_id
+
+
+def test_run_watch_streams_and_prints_the_answer(env: Services) -> None:
+    original = env.ledger.claim
+
+    def claim_and_finish(submission):
+        row = original(submission)
+        complete_run(env, row.run_id, answer="The answer is 42.")
+        return row
+
+    env.ledger.claim = claim_and_finish  # type: ignore[method-assign]
+    result = invoke("run", "What is it?", "--watch")
+    assert result.exit_code == 0, result.output
+    assert "RunCompleted" in result.output and "The answer is 42." in result.output and "COMPLETED" in result.output
+
+
+def test_terminated_run_exits_2_with_the_report(env: Services) -> None:
+    run_id = invoke("run", "x").stdout.strip()
+    env.read_model.add_events("acme", [EventView(run_id, 1, "e1", "tether.v1.RunTerminated", 1, "{}")])
+    env.read_model.runs[("acme", run_id)] = RunView(
+        run_id, RunStatus.TERMINATED, last_seq=1,
+        termination=TerminationReport(reason_code="STEP_CAP", detail="3 steps used", steps_done=3,
+                                      tool_calls_done=["1.0 http_get COMPLETED"], pending=[],
+                                      usage={"input_tokens": 1}),
+    )
+    result = invoke("watch", run_id)
+    assert result.exit_code == 2
+    assert "STEP_CAP" in result.output and "1.0 http_get COMPLETED" in result.output
+
+
+def test_get_json_and_errors(env: Services) -> None:
+    run_id = invoke("run", "x").stdout.strip()
+    result = invoke("--json", "get", run_id)
+    assert result.exit_code == 0 and json.loads(result.stdout)["status"] == "RUN_STATUS_PENDING"
+    result = invoke("get", "0" * 26)
+    assert isinstance(result.exception, CliError) and "RUN_NOT_FOUND" in str(result.exception)
+    result = invoke("--api-key", "tk_" + "w" * 30, "get", run_id)
+    assert isinstance(result.exception, CliError) and "UNAUTHENTICATED_API_KEY" in str(result.exception)
+
+
+def test_approve_quotes_the_hash_it_showed(env: Services) -> None:
+    run_id = invoke("run", "x").stdout.strip()
+    env.read_model.approvals[("acme", "ap-1")] = ApprovalView(
+        "ap-1", run_id, "1.0", "c" * 64, "PENDING", tool_name="send_email", args_json='{"to": "a@b.c"}',
+        expires_at_ms=4_000_000_000_000)
+    result = invoke("approvals", "approve", "ap-1", "--yes", "--comment", "fine")
+    assert result.exit_code == 0, result.output
+    assert "a@b.c" in result.output and "approved ap-1" in result.output
+    env_, _ = env.publisher.published[-1]
+    assert env_.event_type == "tether.v1.DecideApproval"
+    result = invoke("approvals", "reject", "ap-1", input="n\n")
+    assert result.exit_code == 1  # declined at the prompt: nothing sent
+    assert env.publisher.published[-1][0] is env_
+
+
+def test_agents_and_tools_commands(env: Services, tmp_path) -> None:
+    tool_file = tmp_path / "tool.json"
+    tool_file.write_text(json.dumps({"name": "kv_get", "description": "Read a key.", "risk_class": "RISK_CLASS_READ_ONLY",
+                                     "executor_kind": "builtin", "args_schema": {"type": "object"},
+                                     "executor_config": {"builtin": "kv_get"}}))
+    assert "registered tool kv_get v1" in invoke("tools", "register", "-f", str(tool_file)).output
+    assert "kv_get" in invoke("tools", "list").output
+    assert "disabled kv_get versions [1]" in invoke("tools", "disable", "kv_get").output
+    agent_file = tmp_path / "agent.json"
+    agent_file.write_text(json.dumps({"agent_id": "demo", "instructions": "Be brief."}))
+    assert "agent demo is now v2" in invoke("agents", "update", "-f", str(agent_file), "--mask", "instructions").output
+    listed = json.loads(invoke("--json", "agents", "list").stdout)
+    assert listed["agents"][0]["version"] == 2
+
+
+class _Dropped(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "connection reset"
+
+    def trailing_metadata(self):
+        return ()
+
+
+class _FlakyRuns:
+    """Serves the log 1..6 but drops the connection after every second event."""
+
+    def __init__(self) -> None:
+        self.requests: list[int] = []
+
+    def StreamRunEvents(self, request, metadata=None):  # noqa: N802
+        self.requests.append(request.from_seq)
+        sent = 0
+        for seq in range(request.from_seq, 7):
+            if sent == 2:
+                raise _Dropped()
+            # A server may repeat the last event after a reconnect; the follower must not show it twice.
+            yield runs_pb.StreamRunEventsResponse(event=runs_pb.RunEvent(seq=seq, terminal=seq == 6))
+            sent += 1
+
+
+class _FakeClient:
+    metadata = [("authorization", "Bearer x")]
+
+    def __init__(self) -> None:
+        self.runs = _FlakyRuns()
+
+
+def test_follow_reconnects_from_the_next_seq_and_shows_each_event_once() -> None:
+    client = _FakeClient()
+    seen: list[int] = []
+    last = cli.follow(client, "R", 1, on_event=lambda e: seen.append(e.seq), sleep=lambda s: None)
+    assert seen == [1, 2, 3, 4, 5, 6] and last.seq == 6
+    assert client.runs.requests == [1, 3, 5]

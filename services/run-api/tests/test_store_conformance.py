@@ -1,0 +1,144 @@
+"""One conformance suite for the Catalog and SubmitLedger ports, run against the fake and PostgreSQL."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from tether_contracts.records import AgentSpec, Caps, ModelRef, RiskClass, ToolSpec
+from tether_run_api.adapters.postgres import PostgresStore, migrate, open_pool
+from tether_run_api.domain.errors import AgentAlreadyExists, AgentVersionConflict, RequestIdReused
+from tether_run_api.domain.views import Submission
+from tether_run_api.ports import Idempotency
+from tether_run_api.testing import FakeCatalog, FakeLedger
+
+
+class FakeStore:
+    """The fakes behind one object, shaped like PostgresStore for this suite."""
+
+    def __init__(self) -> None:
+        self.catalog = FakeCatalog()
+        self.ledger = FakeLedger()
+
+    def __getattr__(self, name: str):
+        return getattr(self.catalog if hasattr(self.catalog, name) else self.ledger, name)
+
+    def ensure_tenant(self, tenant_id: str, display_name: str = "", spread: int = 1) -> None:
+        self.catalog.spreads[tenant_id] = spread
+
+
+@pytest.fixture(params=["fake", pytest.param("postgres", marks=pytest.mark.integration)])
+def store(request) -> Iterator[object]:
+    if request.param == "fake":
+        yield FakeStore()
+        return
+    dsn = request.getfixturevalue("pg_dsn")
+    schema = f"run_api_conf_{uuid.uuid4().hex[:10]}"
+    pool = open_pool(dsn, max_size=4)
+    try:
+        migrate(pool, schema)
+        migrate(pool, schema)  # idempotent
+        yield PostgresStore(pool, schema)
+    finally:
+        pool.close()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def agent(agent_id: str = "a", version: int = 0, instructions: str = "x") -> AgentSpec:
+    return AgentSpec(agent_id=agent_id, version=version, name="A", instructions=instructions,
+                     model=ModelRef(provider="openai", name="m"), tool_allowlist=["t1", "t2"],
+                     caps=Caps(max_steps=1, max_wall_clock_ms=2, max_tokens=3, max_cost_usd_micros=4))
+
+
+def tool(name: str = "t1", description: str = "d") -> ToolSpec:
+    return ToolSpec(name=name, version=0, description=description, args_schema_json='{"type":"object"}',
+                    risk_class=RiskClass.WRITE, idempotent=True, untrusted_source=False, executor_kind="builtin")
+
+
+def sub(tenant: str, request_id: str, run_id: str, request_hash: str = "h") -> Submission:
+    return Submission(tenant_id=tenant, request_id=request_id, request_hash=request_hash, run_id=run_id,
+                      principal_id="p", agent_id="a", agent_version=1, goal="g", partition=2, envelope=b"\x01\x02",
+                      created_at_ms=5)
+
+
+def test_agent_versions(store) -> None:
+    v1 = store.create_agent("t", agent(), "root", 10, None)
+    assert v1.spec.version == 1 and v1.created_by == "root"
+    with pytest.raises(AgentAlreadyExists):
+        store.create_agent("t", agent(), "root", 10, None)
+    store.create_agent("other", agent(), "root", 10, None)  # ids are per tenant
+    v2 = store.add_agent_version("t", agent(version=2, instructions="y"), "root", 11, None)
+    assert v2.spec.instructions == "y"
+    with pytest.raises(AgentVersionConflict):
+        store.add_agent_version("t", agent(version=2, instructions="z"), "root", 12, None)
+    assert store.get_agent("t", "a").spec.version == 2
+    assert store.get_agent("t", "a", 1).spec.instructions == "x"
+    assert store.get_agent("t", "a", 3) is None and store.get_agent("nobody", "a") is None
+    got = store.get_agent("t", "a", 1)
+    assert got.spec == v1.spec and got.created_at_ms == 10
+
+
+def test_idempotent_creates_return_the_first_result(store) -> None:
+    idem = Idempotency("req-1", "hash-1")
+    first = store.create_agent("t", agent(), "root", 10, idem)
+    assert store.create_agent("t", agent(), "root", 99, idem) == first
+    with pytest.raises(RequestIdReused):
+        store.create_agent("t", agent("b"), "root", 10, Idempotency("req-1", "hash-2"))
+    t1 = store.register_tool("t", tool(), "root", 10, Idempotency("req-2", "h"))
+    assert store.register_tool("t", tool(), "root", 10, Idempotency("req-2", "h")) == t1
+    assert store.get_tool("t", "t1").spec.version == 1
+
+
+def test_list_agents_returns_latest_versions_in_pages(store) -> None:
+    for agent_id in ("c", "a", "b"):
+        store.create_agent("t", agent(agent_id), "root", 1, None)
+    store.add_agent_version("t", agent("b", 2, "new"), "root", 2, None)
+    assert [(a.spec.agent_id, a.spec.version) for a in store.list_agents("t", None, 10)] == \
+        [("a", 1), ("b", 2), ("c", 1)]
+    assert [a.spec.agent_id for a in store.list_agents("t", "a", 1)] == ["b"]
+
+
+def test_tools_versions_disable_and_latest_enabled(store) -> None:
+    assert store.register_tool("t", tool(), "root", 1, None).spec.version == 1
+    assert store.register_tool("t", tool(description="v2"), "root", 2, None).spec.version == 2
+    store.register_tool("t", tool("t2"), "root", 3, None)
+    assert store.disable_tool("t", "t1", 2) == [2]
+    assert store.disable_tool("t", "t1", 2) == []
+    assert store.disable_tool("t", "t1", 7) is None and store.disable_tool("t", "zz", None) is None
+    latest = {t.spec.name: t.spec.version for t in store.latest_enabled_tools("t", ["t1", "t2", "t3"])}
+    assert latest == {"t1": 1, "t2": 1}
+    assert [(t.spec.name, t.disabled) for t in store.list_tools("t", None, 10, True)] == [("t1", True), ("t2", False)]
+    assert [t.spec.name for t in store.list_tools("t", None, 10, False)] == ["t2"]
+    assert store.disable_tool("t", "t1", None) == [1]
+    assert [t.spec.name for t in store.latest_enabled_tools("t", ["t1", "t2"])] == ["t2"]
+    assert store.latest_enabled_tools("other", ["t1"]) == []
+
+
+def test_grants_and_spread(store) -> None:
+    store.ensure_tenant("t", "", 3)
+    store.grant("t", "*", ["a", "b"])
+    store.grant("t", "alice", ["c"])
+    assert store.grants_for("t", "alice") == ["a", "b", "c"]
+    assert store.grants_for("t", "bob") == ["a", "b"]
+    assert store.grants_for("other", "alice") == []
+    assert store.tenant_spread("t") == 3 and store.tenant_spread("unknown") == 1
+
+
+def test_submit_ledger_claims_once_per_tenant_and_request(store) -> None:
+    first = store.claim(sub("t", "r1", "RUN1"))
+    assert first.run_id == "RUN1" and not first.delivered
+    assert store.claim(sub("t", "r1", "RUN2")).run_id == "RUN1"
+    assert store.claim(sub("u", "r1", "RUN3")).run_id == "RUN3"
+    store.mark_delivered("t", "r1")
+    assert store.get("t", "r1").delivered and store.get("t", "r1").envelope == b"\x01\x02"
+    assert store.find_run("t", "RUN1").partition == 2
+    assert store.find_run("u", "RUN1") is None and store.get("t", "nope") is None
+    store.claim(sub("t", "r2", "RUN5"))
+    store.claim(sub("t", "r3", "RUN4"))
+    assert [s.run_id for s in store.list_runs("t", None, 10)] == ["RUN5", "RUN4", "RUN1"]
+    assert [s.run_id for s in store.list_runs("t", "RUN5", 1)] == ["RUN4"]
