@@ -1,0 +1,68 @@
+"""Named refusals of an approver's decision: each carries a stable reason code and the facts."""
+
+from __future__ import annotations
+
+
+class DecisionRefused(Exception):
+    """A DecideApproval that must not take effect. `reason` is machine-readable, `detail` for humans."""
+
+    reason = "DECISION_REFUSED"
+
+    def __init__(self, detail: str, **facts: object) -> None:
+        super().__init__(f"{self.reason}: {detail}")
+        self.detail = detail
+        self.facts = facts
+
+
+class ApprovalNotFound(DecisionRefused):
+    """No approval with that id is known for the run."""
+
+    reason = "APPROVAL_NOT_FOUND"
+
+
+class WrongTenant(DecisionRefused):
+    """The command's (authenticated) tenant is not the run's tenant."""
+
+    reason = "WRONG_TENANT"
+
+
+class ApprovalNotPending(DecisionRefused):
+    """The approval was already decided (approved, rejected or expired): a duplicate or late decision."""
+
+    reason = "APPROVAL_NOT_PENDING"
+
+
+class CallMismatch(DecisionRefused):
+    """The decision names another tool call than the one the approval is for."""
+
+    reason = "CALL_MISMATCH"
+
+
+class NotAnApprover(DecisionRefused):
+    """The decider lacks the approver role in the tenant."""
+
+    reason = "NOT_AN_APPROVER"
+
+
+class SelfApproval(DecisionRefused):
+    """The run's submitter tried to approve a call of their own run (forbidden by policy)."""
+
+    reason = "SELF_APPROVAL"
+
+
+class SubmitterUnknown(DecisionRefused):
+    """Self-approval is forbidden but the run's submitter is unknown here, so it cannot be ruled out."""
+
+    reason = "SUBMITTER_UNKNOWN"
+
+
+class StaleArgsHash(DecisionRefused):
+    """The approver saw other arguments than the ones awaiting approval."""
+
+    reason = "STALE_ARGS_HASH"
+
+
+class ApprovalExpired(DecisionRefused):
+    """The decision was made after the approval's expiry."""
+
+    reason = "APPROVAL_EXPIRED"

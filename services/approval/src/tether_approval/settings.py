@@ -1,0 +1,39 @@
+"""The approval service's settings (env prefix TETHER_APPROVAL_; shared infrastructure from TETHER_*)."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+from pydantic_settings import SettingsConfigDict
+
+from tether_approval.domain.decisions import DAY_MS
+from tether_runtime.settings import ServiceSettings
+
+
+class ApprovalSettings(ServiceSettings):
+    """Everything `python -m tether_approval` reads from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="TETHER_APPROVAL_", extra="ignore", populate_by_name=True)
+
+    declare_topics: bool = Field(True, description="Create missing topics at start-up (idempotent).")
+
+    # -- who may decide ---------------------------------------------------------------------
+    approver_role: str = Field("approver", min_length=1, description="Role a decider must hold in the tenant.")
+    forbid_self_approval: bool = Field(
+        True, description="The run's submitter may not approve its calls (rejecting stays allowed)."
+    )
+
+    # -- time limits -------------------------------------------------------------------------
+    outcome_unknown_ttl_ms: int = Field(
+        7 * DAY_MS, ge=1, description="Time a human has to decide after a tool call's outcome became unknown."
+    )
+    early_decision_ttl_ms: int = Field(
+        DAY_MS, ge=1, description="How long a decision read before its ApprovalRequested waits for it."
+    )
+    max_early_decisions: int = Field(32, ge=0, description="Early decisions kept per run.")
+
+    # -- the approver webhook (best-effort) -----------------------------------------------------
+    webhook_url: str | None = Field(None, description="POST a JSON notification here for each new approval.")
+    webhook_timeout_s: float = Field(5.0, gt=0, description="Timeout of one webhook attempt.")
+    webhook_max_attempts: int = Field(4, ge=1, description="Attempts per notification (retries on 408/429/5xx/network).")
+    webhook_max_seconds: float = Field(30.0, gt=0, description="Total time budget of one notification's attempts.")
+    webhook_secret: SecretStr | None = Field(None, description="Signs the body: X-Tether-Signature: sha256=<HMAC>.")
