@@ -143,7 +143,7 @@ class ToolRunner:
         owner: Owner,
         secrets: SecretProvider | None = None,
         redactor: Redactor | None = None,
-        limits: ResultLimits = ResultLimits(),
+        limits: ResultLimits | None = None,
         lease_ms: int = 30_000,
         heartbeat_ms: int = 10_000,
         max_parallel: int = 16,
@@ -155,7 +155,7 @@ class ToolRunner:
         self.blobs = blobs
         self._secrets = secrets or MappingSecretProvider()
         self._redactor = redactor or PassthroughRedactor()
-        self._limits = limits
+        self._limits = limits or ResultLimits()
         self.lease_ms = lease_ms
         self._heartbeat_s = heartbeat_ms / 1000
         self._monotonic = monotonic

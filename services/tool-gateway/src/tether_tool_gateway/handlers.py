@@ -280,12 +280,11 @@ def on_approval_requested(event: ApprovalRequested, msg: Inbound, ctx: Context, 
     ctx.put_state(run_id, run)
 
 
-def on_call_outcome(event: AvroRecord, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
+def on_call_outcome(event: ToolCallCompleted | ToolCallFailed | ToolCallDenied | ToolCallOutcomeUnknown, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
     """A terminal outcome of a call reached the log: the call needs nothing more from us."""
     run_id = msg.envelope.run_id
     run = _state(ctx, run_id)
-    call_id = getattr(event, "call_id")
-    call = None if run is None else run.calls.get(call_id)
+    call = None if run is None else run.calls.get(event.call_id)
     if run is None or call is None or call.status is CallStatus.RESOLVED:
         return
     call.status = CallStatus.RESOLVED
