@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from psycopg import sql
+from psycopg import errors, sql
 from psycopg_pool import ConnectionPool
 
 from tether_contracts.records import TerminationReport, Usage
 from tether_run_api.adapters.postgres import unavailable_as_error
+from tether_run_api.domain.errors import BackendUnavailable
 from tether_run_api.domain.views import ApprovalView, EventView, RunStatus, RunView, StepView, ToolCallView
 
 
@@ -117,8 +118,12 @@ class PostgresReadModel:
         self._s = sql.Identifier(schema)
 
     def _all(self, text: str, params: tuple[Any, ...]) -> list[dict[str, Any]]:
-        with self._pool.connection() as conn:
-            return conn.execute(sql.SQL(text).format(s=self._s), params).fetchall()
+        try:
+            with self._pool.connection() as conn:
+                return conn.execute(sql.SQL(text).format(s=self._s), params).fetchall()
+        except (errors.UndefinedTable, errors.InvalidSchemaName) as exc:
+            # The projector creates the read model at its start-up; until then queries cannot be answered.
+            raise BackendUnavailable("read model", "its tables do not exist yet; is the projector running?") from exc
 
     @unavailable_as_error
     def get_run(self, tenant_id: str, run_id: str) -> RunView | None:
