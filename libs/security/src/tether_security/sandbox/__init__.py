@@ -1,0 +1,21 @@
+"""The tool sandbox: bubblewrap with namespaces, rlimits, seccomp and a parent-enforced wall clock."""
+
+from tether_security.sandbox.runner import (
+    SandboxErrorCode,
+    SandboxLimits,
+    SandboxResult,
+    SandboxRunner,
+    SandboxSetupError,
+    SandboxUnavailable,
+    InvalidSandboxRequest,
+)
+
+__all__ = [
+    "InvalidSandboxRequest",
+    "SandboxErrorCode",
+    "SandboxLimits",
+    "SandboxResult",
+    "SandboxRunner",
+    "SandboxSetupError",
+    "SandboxUnavailable",
+]

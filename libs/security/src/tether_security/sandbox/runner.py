@@ -1,0 +1,528 @@
+"""Run one command inside bubblewrap: no network, read-only system, uid 65534, rlimits, a wall-clock kill."""
+
+from __future__ import annotations
+
+import enum
+import errno
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tether_security.sandbox.seccomp import SeccompUnsupported, build_filter
+
+NOBODY = 65534
+SANDBOX_DIR = "/sandbox"
+_SCRIPT_PATH = "/run/tether/script"
+_READ_CHUNK = 65536
+# How often the parent samples the sandbox's task count and checks the wall clock.
+_TICK_S = 0.05
+
+# A minimal /etc: enough for `id`, libc name lookups and localhost, nothing from the host's accounts.
+_PASSWD = "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\nnobody:x:65534:65534:nobody:/sandbox:/usr/sbin/nologin\n"
+_GROUP = "root:x:0:\nnogroup:x:65534:\n"
+_HOSTS = "127.0.0.1 localhost\n::1 localhost\n"
+_NSSWITCH = "passwd: files\ngroup: files\nhosts: files\n"
+# Read-only host files a normal program needs (no accounts, no keys: /etc/ssl/private is not among them).
+_ETC_RO = ("/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/ssl/certs",
+           "/etc/localtime", "/etc/mime.types")
+
+# What programs print when an allocation fails under RLIMIT_AS (the kernel reports nothing to the parent).
+_MEMORY_PATTERNS = re.compile(
+    rb"MemoryError|Cannot allocate memory|std::bad_alloc|out of memory|memory exhausted|"
+    rb"failed to allocate|Could not allocate|ENOMEM",
+    re.IGNORECASE,
+)
+# What programs print when fork/clone fails under RLIMIT_NPROC.
+_FORK_PATTERNS = re.compile(
+    rb"fork: (?:retry: )?Resource temporarily unavailable|Cannot fork|can't fork|BlockingIOError|"
+    rb"can't start new thread",
+    re.IGNORECASE,
+)
+
+
+class SandboxErrorCode(enum.StrEnum):
+    """Machine-readable reason a sandboxed command did not succeed."""
+
+    TIMEOUT = "TIMEOUT"
+    MEMORY_LIMIT = "MEMORY_LIMIT"
+    CPU_LIMIT = "CPU_LIMIT"
+    PROCESS_LIMIT = "PROCESS_LIMIT"
+    OUTPUT_LIMIT = "OUTPUT_LIMIT"
+    SIGNALED = "SIGNALED"
+    NONZERO_EXIT = "NONZERO_EXIT"
+
+
+class SandboxUnavailable(RuntimeError):
+    """bubblewrap (or a helper it needs) is missing or unusable here; nothing runs unsandboxed."""
+
+
+class SandboxSetupError(RuntimeError):
+    """bubblewrap refused to build the sandbox (bad bind source, namespace failure); the command never ran."""
+
+    def __init__(self, message: str, stderr: bytes) -> None:
+        super().__init__(message)
+        self.stderr = stderr
+
+
+class InvalidSandboxRequest(ValueError):
+    """The call asked for something the sandbox cannot do safely (empty argv, a workdir that is not a directory)."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource bounds for one sandboxed command. Sizes are bytes, times seconds."""
+
+    wall_seconds: float = 30.0
+    cpu_seconds: int = 10
+    memory_bytes: int = 1 << 30  # RLIMIT_AS: virtual address space, the only memory bound without cgroups
+    max_processes: int = 64  # RLIMIT_NPROC: tasks (processes and threads) of the sandbox user
+    max_open_files: int = 256
+    max_file_bytes: int = 64 << 20  # RLIMIT_FSIZE: largest file the command may write
+    max_output_bytes: int = 1 << 20  # per stream; more is killed with OUTPUT_LIMIT
+    tmp_bytes: int = 64 << 20  # size of the private /tmp tmpfs (and, separately, of /dev/shm)
+    work_bytes: int = 256 << 20  # size of the fresh /sandbox tmpfs when no workdir is given
+
+    def __post_init__(self) -> None:
+        for name in ("wall_seconds", "cpu_seconds", "memory_bytes", "max_processes", "max_open_files",
+                     "max_file_bytes", "max_output_bytes", "tmp_bytes", "work_bytes"):
+            if getattr(self, name) <= 0:
+                raise InvalidSandboxRequest(f"SandboxLimits.{name} must be positive, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What happened to one sandboxed command. `error_code` is None exactly when it exited 0 in time."""
+
+    exit_code: int | None  # the command's exit status; None when it died by a signal
+    killed_by_signal: int | None  # signal number that ended the command (SIGKILL after a timeout)
+    timed_out: bool  # the parent killed it at the wall-clock limit
+    stdout: bytes
+    stderr: bytes
+    stdout_truncated: bool
+    stderr_truncated: bool
+    error_code: SandboxErrorCode | None
+    limit_hit: str | None  # "wall", "cpu", "memory", "processes", "output", "file_size" or None
+    duration_seconds: float
+    cpu_seconds: float  # user+system CPU of the sandbox's processes, sampled every few tens of ms
+    peak_tasks: int  # highest task count sampled inside the sandbox
+    argv: tuple[str, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        """True when the command exited 0 within every limit."""
+        return self.error_code is None
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, 0)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _sample_namespace(pid_ns_inode: int, cpu_ticks: dict[int, int]) -> int:
+    """Count tasks (threads included, as RLIMIT_NPROC counts them) in a PID namespace; note each process's CPU.
+
+    `cpu_ticks` keeps the last utime+stime seen per process, so CPU of processes that have since
+    exited still counts (processes that live and die between two samples are missed).
+    """
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry.name}/ns/pid").st_ino != pid_ns_inode:
+                continue
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the task exited while we looked
+        # Fields after the parenthesised command name: state is field 3, num_threads field 20,
+        # utime/stime fields 14/15 (1-based, as in proc(5)).
+        rest = stat[stat.rfind(b")") + 2:].split()
+        total += int(rest[17])
+        cpu_ticks[int(entry.name)] = int(rest[11]) + int(rest[12])
+    return total
+
+
+class SandboxRunner:
+    """Runs commands inside a bubblewrap sandbox; fails closed (SandboxUnavailable) rather than run unsandboxed.
+
+    Every call gets: new user/PID/network/IPC/UTS/cgroup namespaces and no network at all; the
+    host's /usr (read-only, with /bin, /lib, /sbin as symlinks), a synthetic minimal /etc, a
+    private /proc, /dev and size-capped tmpfs /tmp; a writable work dir at /sandbox; uid/gid
+    65534 both inside and outside the namespace (so RLIMIT_NPROC applies); an empty environment
+    plus PATH, HOME and LANG; no capabilities, NoNewPrivs, a seccomp filter, a new session; and
+    rlimits (CPU, address space, processes, open files, file size, no core dumps). The parent
+    enforces the wall clock and output caps and kills the whole tree. `run` blocks; call it from
+    a worker thread in async code.
+    """
+
+    def __init__(
+        self,
+        *,
+        limits: SandboxLimits | None = None,
+        bwrap: str = "/usr/bin/bwrap",
+        setpriv: str = "/usr/bin/setpriv",
+        prlimit: str = "/usr/bin/prlimit",
+        read_only_paths: Sequence[str] = (),
+        seccomp: bool = True,
+    ) -> None:
+        self.limits = limits or SandboxLimits()
+        self._bwrap = bwrap
+        self._setpriv = setpriv
+        self._prlimit = prlimit
+        self._as_root = os.geteuid() == 0
+        for tool in (bwrap, prlimit) + ((setpriv,) if self._as_root else ()):
+            if not (os.path.isfile(tool) and os.access(tool, os.X_OK)):
+                raise SandboxUnavailable(
+                    f"{tool} is missing or not executable; install bubblewrap and util-linux "
+                    "(apt-get install bubblewrap util-linux). Refusing to run tools unsandboxed."
+                )
+        self._read_only_paths = tuple(read_only_paths)
+        for p in self._read_only_paths:
+            if not os.path.isabs(p):
+                raise InvalidSandboxRequest(f"read-only path {p!r} must be absolute")
+        self._seccomp_program: bytes | None = None
+        if seccomp:
+            try:
+                self._seccomp_program = build_filter()
+            except SeccompUnsupported as exc:
+                raise SandboxUnavailable(f"{exc}; pass seccomp=False to run without the syscall filter") from exc
+
+    def probe(self) -> None:
+        """Run `true` in the sandbox; raise SandboxUnavailable if namespaces or bubblewrap do not work here."""
+        try:
+            result = self.run(["/bin/true"], limits=SandboxLimits(wall_seconds=10))
+        except SandboxSetupError as exc:
+            raise SandboxUnavailable(f"bubblewrap cannot build a sandbox here: {exc}") from exc
+        if not result.ok:
+            raise SandboxUnavailable(f"a trivial command failed in the sandbox: {result.error_code} {result.stderr!r}")
+
+    def run_script(
+        self,
+        script: str,
+        *,
+        interpreter: Sequence[str] = ("/bin/sh", "-eu"),
+        workdir: Path | None = None,
+        stdin: bytes | None = None,
+        limits: SandboxLimits | None = None,
+    ) -> SandboxResult:
+        """Run `script` with `interpreter` (e.g. ("/usr/bin/python3",)); the script is a read-only file, not argv."""
+        return self._run(list(interpreter) + [_SCRIPT_PATH], workdir=workdir, stdin=stdin, limits=limits,
+                         script=script.encode())
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        workdir: Path | None = None,
+        stdin: bytes | None = None,
+        limits: SandboxLimits | None = None,
+    ) -> SandboxResult:
+        """Run `argv` in a fresh sandbox.
+
+        /sandbox is a new size-capped tmpfs (`work_bytes`) that vanishes with the sandbox, unless
+        `workdir` is given: that host directory is bound read-write at /sandbox and handed to uid
+        65534 (chown of the directory itself, not its contents); its disk use is bounded only per
+        file (`max_file_bytes`), so give one only to trusted-size work.
+        """
+        return self._run(list(argv), workdir=workdir, stdin=stdin, limits=limits, script=None)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _run(
+        self,
+        argv: list[str],
+        *,
+        workdir: Path | None,
+        stdin: bytes | None,
+        limits: SandboxLimits | None,
+        script: bytes | None,
+    ) -> SandboxResult:
+        if not argv or not all(isinstance(a, str) and "\x00" not in a for a in argv):
+            raise InvalidSandboxRequest("argv must be a non-empty list of strings without NUL bytes")
+        limits = limits or self.limits
+        work: Path | None = None
+        if workdir is not None:
+            work = Path(workdir)
+            if work.is_symlink() or not work.is_dir():
+                raise InvalidSandboxRequest(f"workdir {work} must be an existing directory (not a symlink)")
+            if self._as_root:
+                os.chown(work, NOBODY, NOBODY)
+        fds: list[int] = []
+        try:
+            return self._spawn_and_watch(argv, work, stdin, limits, script, fds)
+        finally:
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _command(self, argv: list[str], work: Path | None, limits: SandboxLimits, data_fds: Mapping[str, int],
+                 seccomp_fd: int | None, status_fd: int) -> list[str]:
+        cmd: list[str] = []
+        if self._as_root:
+            # Drop to 65534 *before* bwrap: then the namespace's uid maps to host uid 65534, not to
+            # root, and RLIMIT_NPROC (which root ignores) bounds the sandbox.
+            cmd += [self._setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                    "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--pdeathsig=KILL"]
+        cmd += [
+            self._bwrap,
+            "--unshare-all", "--unshare-user", "--disable-userns",
+            "--die-with-parent", "--new-session", "--clearenv",
+            "--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox", "--cap-drop", "ALL",
+            "--ro-bind", "/usr", "/usr",
+        ]
+        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            host = f"/{top}"
+            if os.path.islink(host):
+                cmd += ["--symlink", os.readlink(host), host]
+            elif os.path.isdir(host):
+                cmd += ["--ro-bind", host, host]
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp"]
+        for dest, fd in data_fds.items():
+            cmd += ["--perms", "0444", "--ro-bind-data", str(fd), dest]
+        for path in _ETC_RO:
+            cmd += ["--ro-bind-try", path, path]
+        for path in self._read_only_paths:
+            cmd += ["--ro-bind", path, path]
+        if work is None:
+            cmd += ["--size", str(limits.work_bytes), "--tmpfs", SANDBOX_DIR]
+        else:
+            cmd += ["--bind", str(work), SANDBOX_DIR]
+        cmd += [
+            # The root and /dev are bwrap's own tmpfs: read-only, so the only writable places are
+            # the size-capped /tmp, /dev/shm and /sandbox.
+            "--remount-ro", "/dev", "--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm",
+            "--remount-ro", "/",
+            "--chdir", SANDBOX_DIR,
+            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
+            "--setenv", "HOME", SANDBOX_DIR,
+            "--setenv", "LANG", "C.UTF-8",
+            "--json-status-fd", str(status_fd),
+        ]
+        if seccomp_fd is not None:
+            cmd += ["--seccomp", str(seccomp_fd)]
+        cmd += [
+            "--", self._prlimit,
+            f"--as={limits.memory_bytes}",
+            # soft < hard: SIGXCPU at the soft limit names the cause; SIGKILL a second later if ignored.
+            f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}",
+            f"--nproc={limits.max_processes}",
+            f"--nofile={limits.max_open_files}",
+            f"--fsize={limits.max_file_bytes}",
+            "--core=0",
+            "--", *argv,
+        ]
+        return cmd
+
+    def _spawn_and_watch(self, argv: list[str], work: Path | None, stdin: bytes | None, limits: SandboxLimits,
+                         script: bytes | None, fds: list[int]) -> SandboxResult:
+        data = {"/etc/passwd": _PASSWD.encode(), "/etc/group": _GROUP.encode(), "/etc/hosts": _HOSTS.encode(),
+                "/etc/nsswitch.conf": _NSSWITCH.encode()}
+        if script is not None:
+            data[_SCRIPT_PATH] = script
+        data_fds: dict[str, int] = {}
+        for dest, content in data.items():
+            fd = _memfd("tether-sandbox-data", content)
+            fds.append(fd)
+            data_fds[dest] = fd
+        seccomp_fd = None
+        if self._seccomp_program is not None:
+            seccomp_fd = _memfd("tether-sandbox-seccomp", self._seccomp_program)
+            fds.append(seccomp_fd)
+        stdin_fd = _memfd("tether-sandbox-stdin", stdin or b"")
+        fds.append(stdin_fd)
+        status_r, status_w = os.pipe()
+        fds.append(status_r)
+        fds.append(status_w)
+
+        cmd = self._command(argv, work, limits, data_fds, seccomp_fd, status_w)
+        started = time.monotonic()
+        proc = subprocess.Popen(  # noqa: S603 - argv is built above, never through a shell
+            cmd, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=(*data_fds.values(), *([seccomp_fd] if seccomp_fd is not None else []), status_w),
+            env={}, cwd="/", start_new_session=True, close_fds=True,
+        )
+        fds.remove(status_w)
+        os.close(status_w)
+
+        out = bytearray()
+        err = bytearray()
+        status_buf = bytearray()
+        truncated = {"out": False, "err": False}
+        sel = selectors.DefaultSelector()
+        if proc.stdout is None or proc.stderr is None:
+            raise SandboxSetupError("subprocess did not provide output pipes", b"")
+        sel.register(proc.stdout, selectors.EVENT_READ, "out")
+        sel.register(proc.stderr, selectors.EVENT_READ, "err")
+        sel.register(status_r, selectors.EVENT_READ, "status")
+        deadline = started + limits.wall_seconds
+        pid_ns: int | None = None
+        peak_tasks = 0
+        cpu_ticks: dict[int, int] = {}
+        timed_out = False
+        output_exceeded = False
+        wait_status: int | None = None
+        killed = False
+
+        def kill_tree() -> None:
+            # bwrap is the group leader (start_new_session); SIGKILL to it makes the PID-namespace
+            # init die (--die-with-parent), and the kernel then kills every process in the namespace.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        try:
+            while True:
+                now = time.monotonic()
+                if wait_status is None:
+                    pid, st = os.waitpid(proc.pid, os.WNOHANG)
+                    if pid:
+                        wait_status = st
+                if wait_status is not None and not sel.get_map():
+                    break
+                if wait_status is not None and now > deadline + 1.0:
+                    break  # exited but a pipe stays open (cannot happen once the namespace is gone): stop
+                if not killed and now >= deadline:
+                    timed_out = True
+                    killed = True
+                    kill_tree()
+                if pid_ns is None:
+                    pid_ns = _pid_namespace(status_buf)
+                if pid_ns is not None and wait_status is None:
+                    peak_tasks = max(peak_tasks, _sample_namespace(pid_ns, cpu_ticks))
+                for key, _ in sel.select(timeout=_TICK_S):
+                    stream = key.data
+                    fileobj = key.fileobj
+                    fd = fileobj if isinstance(fileobj, int) else fileobj.fileno()
+                    try:
+                        chunk = os.read(fd, _READ_CHUNK)
+                    except OSError as exc:
+                        if exc.errno != errno.EINTR:
+                            raise
+                        continue
+                    if not chunk:
+                        sel.unregister(fileobj)
+                        continue
+                    if stream == "status":
+                        status_buf += chunk
+                        continue
+                    buf = out if stream == "out" else err
+                    room = limits.max_output_bytes - len(buf)
+                    if len(chunk) > room:
+                        buf += chunk[:max(room, 0)]
+                        truncated[stream] = True
+                        if not killed:
+                            output_exceeded = True
+                            killed = True
+                            kill_tree()
+                    else:
+                        buf += chunk
+        finally:
+            if wait_status is None:
+                kill_tree()
+                _, wait_status = os.waitpid(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(wait_status)  # Popen must not wait again
+            sel.close()
+            proc.stdout.close()
+            proc.stderr.close()
+        duration = time.monotonic() - started
+
+        statuses = _json_documents(bytes(status_buf))
+        exit_doc = next((d["exit-code"] for d in statuses if "exit-code" in d), None)
+        rc = proc.returncode
+        exit_code: int | None = None
+        sig: int | None = None
+        if rc < 0:
+            sig = -rc
+        elif exit_doc is None:
+            raise SandboxSetupError(
+                f"bubblewrap exited {rc} before running the command: {bytes(err).decode(errors='replace').strip()}",
+                bytes(err),
+            )
+        elif 128 < exit_doc < 128 + 65:
+            # bwrap reports a command killed by signal N as 128+N, as shells do.
+            sig = exit_doc - 128
+        else:
+            exit_code = exit_doc
+
+        # Sampled, not from wait4: bwrap exits without reaping the namespace's init, so rusage misses it.
+        cpu = sum(cpu_ticks.values()) / _CLK_TCK
+        limit_hit, error_code = _classify(
+            limits=limits, exit_code=exit_code, sig=sig, timed_out=timed_out, output_exceeded=output_exceeded,
+            cpu=cpu, peak_tasks=peak_tasks, stderr=bytes(err),
+        )
+        return SandboxResult(
+            exit_code=exit_code, killed_by_signal=sig, timed_out=timed_out,
+            stdout=bytes(out), stderr=bytes(err),
+            stdout_truncated=truncated["out"], stderr_truncated=truncated["err"],
+            error_code=error_code, limit_hit=limit_hit, duration_seconds=duration, cpu_seconds=cpu,
+            peak_tasks=peak_tasks, argv=tuple(argv),
+        )
+
+
+def _json_documents(raw: bytes) -> list[dict]:
+    """bwrap's --json-status-fd writes several JSON objects back to back."""
+    docs: list[dict] = []
+    decoder = json.JSONDecoder()
+    text = raw.decode(errors="replace")
+    i = 0
+    while i < len(text):
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text):
+            break
+        try:
+            doc, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # a partial document at the end: the rest has not arrived yet
+        if isinstance(doc, dict):
+            docs.append(doc)
+    return docs
+
+
+def _pid_namespace(status_buf: bytearray) -> int | None:
+    for doc in _json_documents(bytes(status_buf)):
+        if "pid-namespace" in doc:
+            return int(doc["pid-namespace"])
+    return None
+
+
+def _classify(*, limits: SandboxLimits, exit_code: int | None, sig: int | None, timed_out: bool,
+              output_exceeded: bool, cpu: float, peak_tasks: int,
+              stderr: bytes) -> tuple[str | None, SandboxErrorCode | None]:
+    """Name the limit that ended the command, most specific cause first."""
+    if output_exceeded:
+        return "output", SandboxErrorCode.OUTPUT_LIMIT
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and not timed_out and cpu >= limits.cpu_seconds):
+        return "cpu", SandboxErrorCode.CPU_LIMIT
+    if sig == signal.SIGXFSZ:
+        return "file_size", SandboxErrorCode.OUTPUT_LIMIT
+    memory = bool(_MEMORY_PATTERNS.search(stderr))
+    processes = peak_tasks >= limits.max_processes or bool(_FORK_PATTERNS.search(stderr))
+    failed = timed_out or sig is not None or exit_code != 0
+    if not failed:
+        return ("memory" if memory else "processes" if processes else None), None
+    if memory:
+        return "memory", SandboxErrorCode.MEMORY_LIMIT
+    if processes:
+        return "processes", SandboxErrorCode.PROCESS_LIMIT
+    if timed_out:
+        return "wall", SandboxErrorCode.TIMEOUT
+    if sig is not None:
+        return None, SandboxErrorCode.SIGNALED
+    return None, SandboxErrorCode.NONZERO_EXIT
