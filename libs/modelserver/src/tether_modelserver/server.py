@@ -141,18 +141,31 @@ class _Handler(BaseHTTPRequestHandler):
             outcome = ErrorReply(None, conv.turn_index, 500, "server", str(exc), code="scenario_template_error")
         record.update(scenario=outcome.scenario, turn=outcome.turn, attempt=attempt, stream=conv.stream)
         record["status"] = outcome.status if isinstance(outcome, ErrorReply) else 200
-        if outcome.latency_ms:
-            time.sleep(outcome.latency_ms / 1000)
+        latency_s = outcome.latency_ms / 1000
         if isinstance(outcome, ErrorReply):
             err = outcome
-            return lambda: self._send_error(api, err)
-        reply = outcome
-        model = conv.model or DEFAULT_MODEL
-        if conv.stream:
-            return lambda: self._send_stream(self._events(api, reply, conv))
-        if api == "openai":
-            return lambda: self._send_json(200, wire_openai.completion(reply, model))
-        return lambda: self._send_json(200, wire_anthropic.message(reply, model))
+            send = lambda: self._send_error(api, err)  # noqa: E731
+        else:
+            reply = outcome
+            model = conv.model or DEFAULT_MODEL
+            if conv.stream:
+                send = lambda: self._send_stream(self._events(api, reply, conv))  # noqa: E731
+            elif api == "openai":
+                send = lambda: self._send_json(200, wire_openai.completion(reply, model))  # noqa: E731
+            else:
+                send = lambda: self._send_json(200, wire_anthropic.message(reply, model))  # noqa: E731
+
+        def after_latency() -> None:
+            # The scripted latency runs after the request is logged, so a client that gives up
+            # (timeout) still finds its request in the log.
+            if latency_s:
+                time.sleep(latency_s)
+            try:
+                send()
+            except (BrokenPipeError, ConnectionResetError):
+                return
+
+        return after_latency
 
     @staticmethod
     def _events(api: str, reply: Reply, conv: Conversation) -> Iterator[bytes]:

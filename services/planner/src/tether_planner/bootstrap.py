@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry
+from pydantic import SecretStr
 
 from tether_messaging.topics import Topics
 from tether_planner.domain.redaction import Scrubber
@@ -18,7 +19,7 @@ from tether_planner.settings import PlannerSettings
 from tether_planner.step import StepConfig
 
 
-def _secret(value) -> str | None:
+def _secret(value: SecretStr | None) -> str | None:
     return value.get_secret_value() if value is not None else None
 
 
@@ -48,7 +49,17 @@ def build_providers(settings: PlannerSettings) -> ProviderRegistry:
     anthropic = AnthropicProvider(
         http(settings.anthropic_base_url, _secret(settings.anthropic_api_key)), version=settings.anthropic_version
     )
-    return ProviderRegistry({"openai": openai, "anthropic": anthropic})
+    # Self-hosted OpenAI-compatible servers may be named for what they are.
+    return ProviderRegistry(
+        {
+            "openai": openai,
+            "openai-compatible": openai,
+            "vllm": openai,
+            "ollama": openai,
+            "llamacpp": openai,
+            "anthropic": anthropic,
+        }
+    )
 
 
 def build_deps(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import structlog
 
-from tether_messaging.processor import Context, Inbound, PydanticStateCodec, TickContext, WorkDone
-from tether_planner.domain.state import RunState
+from tether_messaging.processor import Context, Inbound, TickContext, WorkDone
 from tether_planner.handlers import HANDLERS, Deps, on_step_work_done
+from tether_planner.statecodec import RunStateCodec
 
 log = structlog.get_logger("tether_planner")
 
@@ -15,11 +15,11 @@ class PlannerProcessor:
     """Driven by `tether_messaging.loop` (or the in-memory driver in tests).
 
     Per-run state is the run's working context (`RunState`), checkpointed to the `planner`
-    changelog in the same transaction as the events emitted for it.
+    changelog (compressed JSON) in the same transaction as the events emitted for it.
     """
 
     name = "planner"
-    state_codec = PydanticStateCodec(RunState)
+    state_codec = RunStateCodec()
 
     def __init__(self, deps: Deps) -> None:
         self.deps = deps

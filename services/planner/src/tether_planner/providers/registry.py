@@ -20,7 +20,7 @@ class ProviderRegistry:
         return adapter
 
     def close(self) -> None:
-        for adapter in self._adapters.values():
+        for adapter in {id(a): a for a in self._adapters.values()}.values():
             close = getattr(adapter, "close", None)
             if close is not None:
                 close()
