@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -217,6 +218,15 @@ def test_timeout_fails_the_call(make_harness, release):
     failed = only(gw.driver.run_work(), ToolCallFailed)
     assert failed.error_code == "TIMEOUT" and failed.retryable  # kv_get is idempotent
     assert gw.ledger.get(call.idem_key).resolution.error_code == "TIMEOUT"
+    # The abandoned execution finishes later: kept as a late resolution, the outcome stays TIMEOUT.
+    release.set()
+    for _ in range(500):
+        if gw.ledger.get(call.idem_key).late_resolution is not None:
+            break
+        time.sleep(0.01)
+    rec = gw.ledger.get(call.idem_key)
+    assert rec.resolution.error_code == "TIMEOUT"
+    assert rec.late_resolution.status is ResolutionStatus.COMPLETED and rec.late_resolution.result_json == '{"late":true}'
 
 
 def test_unknown_executor_kind_fails(make_harness):

@@ -10,9 +10,11 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import structlog
 
@@ -224,10 +226,11 @@ class ToolRunner:
         started = self._monotonic()
         deadline = started + request.timeout_s
         future = self._pool.submit(executor.execute, request, self._secrets)
+        abandoned = False
         while True:
             remaining = deadline - self._monotonic()
             if remaining <= 0:
-                future.cancel()
+                abandoned = not future.cancel()
                 resolution = Resolution(ResolutionStatus.FAILED, error_code="TIMEOUT",
                                         detail=f"the tool did not finish within {tool.timeout_ms} ms",
                                         retryable=tool.idempotent)
@@ -251,7 +254,25 @@ class ToolRunner:
             resolution = self._shape(value, tool)
             break
         duration_ms = int((self._monotonic() - started) * 1000)
-        return self._complete(claim, dataclasses.replace(resolution, duration_ms=duration_ms))
+        outcome = self._complete(claim, dataclasses.replace(resolution, duration_ms=duration_ms))
+        if abandoned:
+            # Still running: if it ever finishes, keep what it did as the call's late resolution.
+            future.add_done_callback(partial(self._record_late, claim, tool))
+        return outcome
+
+    def _record_late(self, claim: Execute, tool: ToolSpec, future: Future[Any]) -> None:
+        try:
+            exc = future.exception()
+            if exc is None:
+                late = self._shape(future.result(), tool)
+            else:
+                detail = exc.detail if isinstance(exc, ToolError) else f"{type(exc).__name__}: {exc}"
+                late = Resolution(ResolutionStatus.FAILED, error_code=getattr(exc, "code", "TOOL_ERROR"),
+                                  detail=_short(self._redactor.redact(detail)))
+            self.ledger.complete(claim.record.intent.idem_key, claim.token, late)
+        except Exception as err:  # best effort: the call's outcome (TIMEOUT) is already recorded
+            log.warning("late_result_not_recorded", idem_key=claim.record.intent.idem_key,
+                        error=f"{type(err).__name__}: {err}")
 
     def _heartbeat(self, idem_key: str, token: str) -> bool:
         try:

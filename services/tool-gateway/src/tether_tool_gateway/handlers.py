@@ -171,7 +171,6 @@ def on_run_accepted(event: RunAccepted, msg: Inbound, ctx: Context, *, deps: Dep
         agent_allowlist=list(event.agent.tool_allowlist),
         tenant_grants=list(event.tenant_grants),
         tools={t.name: t for t in event.tools},
-        last_seq=msg.envelope.seq or 0,
     ))
 
 

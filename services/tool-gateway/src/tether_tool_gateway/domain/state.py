@@ -45,4 +45,3 @@ class RunState(BaseModel):
     tenant_grants: list[str] = Field(default_factory=list)
     tools: dict[str, ToolSpec] = Field(default_factory=dict)
     calls: dict[str, CallState] = Field(default_factory=dict)
-    last_seq: int = 0
