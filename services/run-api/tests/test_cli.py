@@ -114,7 +114,8 @@ def test_get_json_and_errors(env: Services) -> None:
 
 
 def test_approve_quotes_the_hash_it_showed(env: Services) -> None:
-    run_id = invoke("run", "x").stdout.strip()
+    run_id = "01ARZ3NDEKTSV4RRFFQ69G5FAV"  # submitted by someone else: alice may approve its calls
+    env.read_model.runs[("acme", run_id)] = RunView(run_id, RunStatus.WAITING, principal_id="carol")
     env.read_model.approvals[("acme", "ap-1")] = ApprovalView(
         "ap-1", run_id, "1.0", "c" * 64, "PENDING", tool_name="send_email", args_json='{"to": "a@b.c"}',
         expires_at_ms=4_000_000_000_000)

@@ -249,7 +249,7 @@ def test_seq_gate_sends_each_seq_once_in_order() -> None:
 
 def test_pending_approval_past_expiry_reads_as_expired() -> None:
     a = ApprovalView("a", "R", "1.0", "h" * 64, "PENDING", expires_at_ms=1000)
-    assert a.effective_status(999) == "PENDING" and a.effective_status(1000) == "EXPIRED"
+    assert a.effective_status(1000) == "PENDING" and a.effective_status(1001) == "EXPIRED"
 
 
 def test_trace_offsets_and_spans() -> None:

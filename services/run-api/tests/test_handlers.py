@@ -19,13 +19,15 @@ from tether_run_api.domain.errors import (
     AgentVersionConflict,
     ApprovalNotFound,
     ApprovalNotPending,
-    ArgsHashMismatch,
+    ApprovalExpired,
     CommandNotDelivered,
     MissingRole,
     RateLimited,
     RequestIdReused,
     RunAlreadyFinished,
     RunNotFound,
+    SelfApproval,
+    StaleArgsHash,
     StreamResumeRequired,
 )
 from tether_run_api.domain.runs import RunLimits, SubmitRequest, new_run_id
@@ -236,11 +238,12 @@ def test_decide_approval_checks_role_tenant_status_and_args_hash(world: World) -
         handlers.decide_approval(ok, principal=ALICE, **kw)
     with pytest.raises(ApprovalNotFound):
         handlers.decide_approval(ok, principal=MALLORY, **kw)
-    with pytest.raises(ArgsHashMismatch):
+    with pytest.raises(StaleArgsHash):
         handlers.decide_approval(handlers.Decision("ap-1", "b" * 64, True), principal=APPROVER, **kw)
-    with pytest.raises(ApprovalNotPending):
-        handlers.decide_approval(ok, principal=APPROVER, **{**kw, "now_ms": world.now + 1000})
-    decided = handlers.decide_approval(ok, principal=APPROVER, **kw)
+    with pytest.raises(ApprovalExpired):
+        handlers.decide_approval(ok, principal=APPROVER, **{**kw, "now_ms": world.now + 1001})
+    # Exactly at the deadline is still in time.
+    decided = handlers.decide_approval(ok, principal=APPROVER, **{**kw, "now_ms": world.now + 1000})
     assert decided.status == "APPROVED" and decided.decided_by == "bob"
     env, partition = world.publisher.published[-1]
     cmd = open_payload(env)
@@ -249,6 +252,22 @@ def test_decide_approval_checks_role_tenant_status_and_args_hash(world: World) -
         ("ap-1", "2.0", "a" * 64, "bob", True)
     assert cmd.approver_roles == ["approver", "member"]
     assert env.run_id == run_id and partition == world.publisher.published[0][1]
+    world.read_model.approvals[("acme", "ap-1")] = _approval(world, run_id, status="APPROVED")
+    with pytest.raises(ApprovalNotPending):
+        handlers.decide_approval(ok, principal=APPROVER, **kw)
+
+
+def test_an_approver_may_not_approve_their_own_run_but_may_reject_it(world: World) -> None:
+    run_id = world.submit(principal=APPROVER)
+    _approval(world, run_id)
+    kw = dict(now_ms=world.now, read_model=world.read_model, ledger=world.ledger, catalog=world.catalog,
+              publisher=world.publisher, partitioning=handlers.Partitioning(P))
+    with pytest.raises(SelfApproval):
+        handlers.decide_approval(handlers.Decision("ap-1", "a" * 64, True), principal=APPROVER, **kw)
+    assert handlers.decide_approval(handlers.Decision("ap-1", "a" * 64, False), principal=APPROVER,
+                                    **kw).status == "REJECTED"
+    assert handlers.decide_approval(handlers.Decision("ap-1", "a" * 64, True), principal=APPROVER,
+                                    forbid_self_approval=False, **kw).status == "APPROVED"
 
 
 # -- streaming ------------------------------------------------------------------------------------

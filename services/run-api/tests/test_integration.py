@@ -357,12 +357,17 @@ def test_cancel_and_decide_produce_commands_to_the_runs_partition(stack) -> None
     listed = approvals.ListApprovals(approvals_pb.ListApprovalsRequest(run_id=run_id), metadata=md(key)).approvals
     assert [a.approval_id for a in listed] == [f"ap-{run_id}"] and listed[0].risk_class == \
         types_pb.RISK_CLASS_IRREVERSIBLE
+    bob = admin.issue_key(stack.app.store, tenant_id, "bob", (ROLE_APPROVER,)).api_key
     with pytest.raises(grpc.RpcError) as err:
         approvals.DecideApproval(approvals_pb.DecideApprovalRequest(approval_id=f"ap-{run_id}", args_hash="cd" * 32,
+                                                                    approve=True), metadata=md(bob))
+    assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION and reason(err.value) == "STALE_ARGS_HASH"
+    with pytest.raises(grpc.RpcError) as err:  # alice submitted the run: she may not approve its calls
+        approvals.DecideApproval(approvals_pb.DecideApprovalRequest(approval_id=f"ap-{run_id}", args_hash=args_hash,
                                                                     approve=True), metadata=md(key))
-    assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION and reason(err.value) == "ARGS_HASH_MISMATCH"
+    assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED and reason(err.value) == "SELF_APPROVAL"
     decided = approvals.DecideApproval(approvals_pb.DecideApprovalRequest(
-        approval_id=f"ap-{run_id}", args_hash=args_hash, approve=True, comment="ok"), metadata=md(key)).approval
+        approval_id=f"ap-{run_id}", args_hash=args_hash, approve=True, comment="ok"), metadata=md(bob)).approval
     assert decided.status == approvals_pb.APPROVAL_STATUS_APPROVED
     runs.CancelRun(runs_pb.CancelRunRequest(run_id=run_id, reason="enough"), metadata=md(key))
     msgs = records_for(stack, run_id, partition, expect=3)
@@ -370,7 +375,8 @@ def test_cancel_and_decide_produce_commands_to_the_runs_partition(stack) -> None
     assert kinds == [SubmitRun, DecideApproval, CancelRun]
     decide = open_payload(decode_envelope(msgs[1].value()))
     assert (decide.approval_id, decide.args_hash, decide.approver_id, decide.approve) == \
-        (f"ap-{run_id}", args_hash, "alice", True)
+        (f"ap-{run_id}", args_hash, "bob", True)
+    assert decide.approver_roles == ["approver"] and decide.call_id == "1.0"
     assert open_payload(decode_envelope(msgs[2].value())).reason == "enough"
 
 
@@ -400,3 +406,40 @@ def test_the_service_process_serves_grpc_health_and_metrics(stack, service_proce
         channel.close()
     proc.stop()
     assert proc.returncode == 0
+
+
+def test_bootstrap_demo_is_repeatable_and_its_keys_work(stack, monkeypatch, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from tether_run_api.cli import main as cli
+
+    monkeypatch.setenv("TETHER_PG_DSN", stack.settings.pg_dsn)
+    monkeypatch.setenv("TETHER_RUN_API_PG_SCHEMA", stack.settings.pg_schema)
+    tenant_id = f"demo-{uuid.uuid4().hex[:8]}"
+    env_file = tmp_path / "demo.env"
+    first = CliRunner().invoke(cli.app, ["admin", "bootstrap-demo", "--tenant", tenant_id, "--env-file", str(env_file)])
+    assert first.exit_code == 0, first.output
+    keys = dict(line.split("=", 1) for line in env_file.read_text().split())
+    assert set(keys) == {"TETHER_API_KEY", "TETHER_APPROVER_KEY"}
+    for name in ("http_get", "kv_put", "kv_get", "send_email", "agent demo v1"):
+        assert name in first.output
+
+    again = CliRunner().invoke(cli.app, ["admin", "bootstrap-demo", "--tenant", tenant_id,
+                                         "--api-key", keys["TETHER_API_KEY"],
+                                         "--approver-key", keys["TETHER_APPROVER_KEY"]])
+    assert again.exit_code == 0, again.output
+    assert "+ " not in again.output and "export" not in again.output  # nothing new: same tools, agent, keys
+
+    user, approver = keys["TETHER_API_KEY"], keys["TETHER_APPROVER_KEY"]
+    runs = runs_grpc.RunServiceStub(stack.channel)
+    sub = runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="demo", goal="Hello"), metadata=md(user))
+    partition = partition_for(tenant_id, sub.run_id, stack.settings.partitions, 1)
+    [msg] = records_for(stack, sub.run_id, partition, expect=1)
+    cmd = open_payload(decode_envelope(msg.value()))
+    assert [t.name for t in cmd.tools] == ["http_get", "kv_put", "kv_get", "send_email"]
+    assert cmd.tenant_grants == sorted(["http_get", "kv_put", "kv_get", "send_email"])
+    assert cmd.agent.model.name == "tether-scripted"
+    with pytest.raises(grpc.RpcError) as err:  # the approver key cannot write the catalog
+        agents_grpc.AgentServiceStub(stack.channel).CreateAgent(
+            agents_pb.CreateAgentRequest(agent=agents_pb.Agent(agent_id="x")), metadata=md(approver))
+    assert reason(err.value) == "MISSING_ROLE"

@@ -39,9 +39,11 @@ class IssuedKey:
 
 @dataclass(frozen=True)
 class DemoSetup:
-    """What bootstrap-demo created or found."""
+    """What bootstrap-demo created or found. Two principals, because nobody may approve
+    the calls of a run they submitted: the user submits, the approver decides."""
 
     key: IssuedKey | None
+    approver_key: IssuedKey | None
     agent: AgentSpec
     tools: list[ToolSpec] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)
@@ -108,23 +110,27 @@ def bootstrap_demo(
     *,
     tenant_id: str,
     principal_id: str,
+    approver_id: str,
     tools: Sequence[ToolSpec],
     agent: AgentSpec,
     now_ms: int,
-    new_key: bool = True,
     api_key: str | None = None,
+    approver_key: str | None = None,
 ) -> DemoSetup:
-    """Tenant, an admin+approver+member key, the tools (a new version only if changed), a grant of
-    every tool to every principal of the tenant, and the demo agent. Safe to run again."""
+    """Tenant, a user key (member, admin) and an approver key (approver, member), the tools (a new
+    version only if changed), a grant of every tool to every principal of the tenant, and the demo
+    agent. Safe to run again: given keys that already exist are kept, others are issued."""
     changed: list[str] = []
     create_tenant(store, tenant_id, display_name="Tether demo")
-    key = None
-    if api_key is not None and store.principal_for(hash_api_key(api_key)) is not None:
-        pass  # the operator's chosen key is already set up
-    elif new_key or api_key is not None:
-        key = issue_key(store, tenant_id, principal_id, (ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER),
-                        label="bootstrap-demo", api_key=api_key)
-        changed.append(f"api key for {principal_id}")
+
+    def ensure_key(given: str | None, who: str, roles: tuple[str, ...]) -> IssuedKey | None:
+        if given is not None and store.principal_for(hash_api_key(given)) is not None:
+            return None  # the operator's chosen key is already set up
+        changed.append(f"api key for {who}")
+        return issue_key(store, tenant_id, who, roles, label="bootstrap-demo", api_key=given)
+
+    key = ensure_key(api_key, principal_id, (ROLE_ADMIN, ROLE_MEMBER))
+    approver = ensure_key(approver_key, approver_id, (ROLE_APPROVER, ROLE_MEMBER))
     registered = []
     for spec in tools:
         latest = store.get_tool(tenant_id, spec.name)
@@ -145,4 +151,4 @@ def bootstrap_demo(
         stored = store.add_agent_version(tenant_id, agent.model_copy(update={"version": version}),
                                          "bootstrap-demo", now_ms, None).spec
         changed.append(f"agent {agent.agent_id} v{version}")
-    return DemoSetup(key=key, agent=stored, tools=registered, changed=changed)
+    return DemoSetup(key=key, approver_key=approver, agent=stored, tools=registered, changed=changed)

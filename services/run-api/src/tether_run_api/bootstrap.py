@@ -80,5 +80,6 @@ def build_app(settings: RunApiSettings) -> App:
         max_trace_events=settings.max_trace_events,
         max_streams=settings.max_streams,
         auth_cache_s=settings.auth_cache_s,
+        forbid_self_approval=settings.forbid_self_approval,
     )
     return App(settings=settings, services=services, store=store, publisher=publisher, _closers=closers)

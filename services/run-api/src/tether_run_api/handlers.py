@@ -35,13 +35,16 @@ from tether_run_api.domain.errors import (
     AgentVersionConflict,
     ApprovalNotFound,
     ApprovalNotPending,
-    ArgsHashMismatch,
+    ApprovalExpired,
     FieldViolation,
     InvalidArgument,
     RequestIdReused,
     RunAlreadyFinished,
     RunNotFound,
+    SelfApproval,
+    StaleArgsHash,
     StreamResumeRequired,
+    SubmitterUnknown,
     ToolNotFound,
 )
 from tether_run_api.domain.paging import decode_token, encode_token, page_size
@@ -595,10 +598,12 @@ def decide_approval(
     catalog: Catalog,
     publisher: CommandPublisher,
     partitioning: Partitioning,
+    forbid_self_approval: bool = True,
     traceparent: str | None = None,
 ) -> ApprovalView:
-    """Check what can be checked now (the approval is the tenant's, pending, for these args) and
-    produce a DecideApproval command; the approval service makes the binding decision."""
+    """Check now what the approval service will check (same reason codes: the approval is the
+    tenant's and pending, not expired, not approved by the run's own submitter, for these args)
+    and produce a DecideApproval command; the approval service makes the binding decision."""
     principal.require(ROLE_APPROVER)
     violations = []
     if not decision.approval_id or len(decision.approval_id) > 128:
@@ -613,11 +618,20 @@ def decide_approval(
     approval = read_model.get_approval(tenant, decision.approval_id)
     if approval is None:
         raise ApprovalNotFound(decision.approval_id)
-    status = approval.effective_status(now_ms)
-    if status != "PENDING":
-        raise ApprovalNotPending(decision.approval_id, status)
+    if approval.status != "PENDING":
+        raise ApprovalNotPending(decision.approval_id, approval.status)
+    if decision.approve and forbid_self_approval:
+        submission = ledger.find_run(tenant, approval.run_id)
+        run = None if submission is not None else read_model.get_run(tenant, approval.run_id)
+        submitter = submission.principal_id if submission is not None else (run.principal_id if run else "")
+        if not submitter:
+            raise SubmitterUnknown(decision.approval_id)
+        if submitter == principal.principal_id:
+            raise SelfApproval(decision.approval_id)
     if approval.args_hash != decision.args_hash:
-        raise ArgsHashMismatch(decision.approval_id)
+        raise StaleArgsHash(decision.approval_id)
+    if approval.effective_status(now_ms) == "EXPIRED":
+        raise ApprovalExpired(decision.approval_id, approval.expires_at_ms or 0)
     command = DecideApproval(
         approval_id=approval.approval_id,
         call_id=approval.call_id,

@@ -57,6 +57,7 @@ class Services:
     max_trace_events: int = 10_000
     max_streams: int = 32
     auth_cache_s: float = 10.0
+    forbid_self_approval: bool = True
     clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000
     new_run_id: Callable[[int], str] | None = None
 
@@ -334,6 +335,6 @@ class ApprovalService(_Servicer, approvals_grpc.ApprovalServiceServicer):
             handlers.Decision(request.approval_id, request.args_hash, request.approve, request.comment),
             principal=principal, now_ms=now, read_model=self.s.read_model, ledger=self.s.ledger,
             catalog=self.s.catalog, publisher=self.s.publisher, partitioning=self.s.partitioning,
-            traceparent=_traceparent(context),
+            forbid_self_approval=self.s.forbid_self_approval, traceparent=_traceparent(context),
         )
         return approvals_pb.DecideApprovalResponse(approval=convert.approval_pb(approval, now))

@@ -25,6 +25,7 @@ class CliSettings(BaseSettings):
 
     addr: str = Field("127.0.0.1:50051", description="run-api address host:port")
     api_key: str = Field("", description="API key (tk_...)")
+    approver_key: str = Field("", description="API key used by `approvals approve|reject` when set")
 
 
 class CliError(Exception):

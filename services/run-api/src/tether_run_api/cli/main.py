@@ -53,19 +53,24 @@ def _options(
 
 def _reset() -> None:
     """Close what a previous invocation in this process opened (tests invoke the app repeatedly)."""
-    client = _STATE.pop("client", None)
-    if client is not None:
-        client.close()
+    for name in ("client", "approver_client"):
+        client = _STATE.pop(name, None)
+        if client is not None:
+            client.close()
     for close in _STATE.pop("closers", []):
         close()
     _STATE.clear()
 
 
-def _client() -> Client:
-    if "client" not in _STATE:
+def _client(*, approver: bool = False) -> Client:
+    name = "approver_client" if approver else "client"
+    if name not in _STATE:
         settings = CliSettings()
-        _STATE["client"] = connect(_STATE.get("addr") or settings.addr, _STATE.get("api_key") or settings.api_key)
-    return _STATE["client"]
+        key = _STATE.get("api_key") or settings.api_key
+        if approver and not _STATE.get("api_key") and settings.approver_key:
+            key = settings.approver_key  # TETHER_APPROVER_KEY: decide as the approver principal
+        _STATE[name] = connect(_STATE.get("addr") or settings.addr, key)
+    return _STATE[name]
 
 
 def _json() -> bool:
@@ -295,7 +300,7 @@ def approvals_show(approval_id: Annotated[str, typer.Argument(help="approval id"
 
 
 def _decide(approval_id: str, approve: bool, comment: str, yes: bool) -> None:
-    client = _client()
+    client = _client(approver=True)
     a = client.call(client.approvals.GetApproval, approvals_pb.GetApprovalRequest(approval_id=approval_id)).approval
     if not _json():
         render.show_approval(a)
@@ -492,8 +497,10 @@ def admin_grant(
 @admin_app.command("bootstrap-demo")
 def admin_bootstrap_demo(
     tenant_id: Annotated[str, typer.Option("--tenant")] = "demo",
-    principal_id: Annotated[str, typer.Option("--principal")] = "demo-user",
-    api_key: Annotated[str | None, typer.Option(help="use this key instead of a new random one")] = None,
+    principal_id: Annotated[str, typer.Option("--principal", help="submits runs (member, admin)")] = "demo-user",
+    approver_id: Annotated[str, typer.Option("--approver", help="decides approvals")] = "demo-approver",
+    api_key: Annotated[str | None, typer.Option(help="the user's key instead of a new random one")] = None,
+    approver_key: Annotated[str | None, typer.Option(help="the approver's key instead of a new one")] = None,
     model_provider: Annotated[str, typer.Option(help="openai or anthropic")] = "openai",
     model_name: Annotated[str, typer.Option(help="model name")] = "tether-scripted",
     kv_url: Annotated[str, typer.Option(help="the KV dev service")] = "http://127.0.0.1:8091",
@@ -502,26 +509,36 @@ def admin_bootstrap_demo(
     email_from: Annotated[str, typer.Option(help="sender of send_email")] = "tether-demo@localhost",
     http_allow_host: Annotated[list[str], typer.Option(help="hosts http_get may reach (repeat)")] = [  # noqa: B006
         "example.com", "127.0.0.1", "localhost"],
-    env_file: Annotated[Path | None, typer.Option(help="also write TETHER_API_KEY=... to this file")] = None,
+    env_file: Annotated[Path | None, typer.Option(help="also write the keys (KEY=value lines) to this file")] = None,
 ) -> None:
-    """Create the demo tenant, an admin+approver key, the built-in tools, grants and the demo agent."""
+    """Create the demo tenant, a user key and an approver key, the built-in tools, grants and the demo agent.
+
+    Prints `export TETHER_API_KEY=...` (the user) and `export TETHER_APPROVER_KEY=...` (used by
+    `tether approvals approve|reject`): nobody may approve calls of a run they submitted.
+    """
     from tether_run_api import admin
     from tether_tool_gateway.builtin_tools import builtin_tool_specs
 
     tools = builtin_tool_specs(kv_url=kv_url, smtp_host=smtp_host, smtp_port=smtp_port, email_from=email_from,
                                http_allow_hosts=http_allow_host)
     agent = admin.demo_agent_spec(model_provider, model_name, [t.name for t in tools])
-    setup = admin.bootstrap_demo(_store(), tenant_id=tenant_id, principal_id=principal_id, tools=tools, agent=agent,
-                                 now_ms=time.time_ns() // 1_000_000, api_key=api_key)
+    setup = admin.bootstrap_demo(_store(), tenant_id=tenant_id, principal_id=principal_id, approver_id=approver_id,
+                                 tools=tools, agent=agent, now_ms=time.time_ns() // 1_000_000, api_key=api_key,
+                                 approver_key=approver_key)
     for change in setup.changed:
         render.err_console.print(f"  + {change}", markup=False)
     render.err_console.print(f"agent {setup.agent.agent_id} v{setup.agent.version} with tools "
                              f"{', '.join(t.name for t in setup.tools)}", markup=False)
+    lines = []
     if setup.key is not None:
-        if env_file is not None:
-            env_file.write_text(f"TETHER_API_KEY={setup.key.api_key}\n")
-            env_file.chmod(0o600)
-        render.console.print(f"export TETHER_API_KEY={setup.key.api_key}", markup=False)
+        lines.append(f"TETHER_API_KEY={setup.key.api_key}")
+    if setup.approver_key is not None:
+        lines.append(f"TETHER_APPROVER_KEY={setup.approver_key.api_key}")
+    if env_file is not None and lines:
+        env_file.write_text("".join(f"{line}\n" for line in lines))
+        env_file.chmod(0o600)
+    for line in lines:
+        render.console.print(f"export {line}", markup=False)
 
 
 def main() -> None:

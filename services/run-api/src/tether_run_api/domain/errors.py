@@ -215,17 +215,49 @@ class ApprovalNotPending(ApiError):
         super().__init__(f"approval {approval_id!r} is {status}, not pending", approval_id=approval_id, status=status)
 
 
-class ArgsHashMismatch(ApiError):
-    """The decision quotes other arguments than the ones awaiting approval."""
+class StaleArgsHash(ApiError):
+    """The decision quotes other arguments than the ones awaiting approval (approval service: same reason)."""
 
     category = Category.FAILED_PRECONDITION
-    reason = "ARGS_HASH_MISMATCH"
+    reason = "STALE_ARGS_HASH"
 
     def __init__(self, approval_id: str) -> None:
         super().__init__(
             f"args_hash does not match the arguments awaiting approval {approval_id!r}; re-read the approval",
             approval_id=approval_id,
         )
+
+
+class ApprovalExpired(ApiError):
+    """The approval's deadline has passed; the call will be denied."""
+
+    category = Category.FAILED_PRECONDITION
+    reason = "APPROVAL_EXPIRED"
+
+    def __init__(self, approval_id: str, expires_at_ms: int) -> None:
+        super().__init__(f"approval {approval_id!r} expired", approval_id=approval_id, expires_at_ms=expires_at_ms)
+
+
+class SelfApproval(ApiError):
+    """An approver may not approve a call of a run they submitted (rejecting it is allowed)."""
+
+    category = Category.PERMISSION_DENIED
+    reason = "SELF_APPROVAL"
+
+    def __init__(self, approval_id: str) -> None:
+        super().__init__(f"you submitted the run of approval {approval_id!r}; another approver must approve it",
+                         approval_id=approval_id)
+
+
+class SubmitterUnknown(ApiError):
+    """The run's submitter is not known yet, so self-approval cannot be ruled out (fails closed)."""
+
+    category = Category.FAILED_PRECONDITION
+    reason = "SUBMITTER_UNKNOWN"
+    retry_after_s = 1.0
+
+    def __init__(self, approval_id: str) -> None:
+        super().__init__(f"the submitter of approval {approval_id!r}'s run is not known yet", approval_id=approval_id)
 
 
 class CommandNotDelivered(ApiError):

@@ -115,8 +115,11 @@ class ApprovalView:
     comment: str = ""
 
     def effective_status(self, now_ms: int) -> str:
-        """PENDING past its expiry is EXPIRED, even before the approval service has recorded it."""
-        if self.status == "PENDING" and self.expires_at_ms is not None and now_ms >= self.expires_at_ms:
+        """PENDING past its expiry is EXPIRED, even before the approval service has recorded it.
+
+        Decided exactly at expires_at_ms is still in time (as the approval service and gateway read it).
+        """
+        if self.status == "PENDING" and self.expires_at_ms is not None and now_ms > self.expires_at_ms:
             return "EXPIRED"
         return self.status
 
