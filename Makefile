@@ -32,7 +32,7 @@ help:
 	@echo "make down      stop what 'make up' started"
 	@echo "make status    show the stack's processes, addresses, data and logs"
 	@echo "make setup     install what is missing (Debian packages, uv, .venv, Kafka jars)"
-	@echo "make generate  regenerate code derived from schemas/"
+	@echo "make generate  regenerate code derived from schemas/ and proto/"
 
 setup:
 	@$(ROOT)/deploy/local/setup.sh
@@ -59,3 +59,4 @@ run: up
 
 generate: setup
 	cd $(ROOT) && $(VENV)/bin/python -m tether_contracts.codegen
+	cd $(ROOT) && $(VENV)/bin/python -m tether_contracts.protogen
