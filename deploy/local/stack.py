@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -187,6 +187,8 @@ class Component:
     """One server of the stack: knows how to start it, check it answers, and stop it."""
 
     name = ""
+    # label in ports() -> (Settings field, environment variable)
+    port_settings: dict[str, tuple[str, str]] = {}
     stop_signal = signal.SIGTERM
     stop_grace = 60.0
 
@@ -195,9 +197,12 @@ class Component:
         self.dir = settings.state_dir / self.name
         self.record_path = self.dir / "process.json"
 
-    # -- to implement -----------------------------------------------------------------------
     def ports(self) -> dict[str, int]:
-        raise NotImplementedError
+        return {label: getattr(self.s, field) for label, (field, _) in self.port_settings.items()}
+
+    # -- to implement -----------------------------------------------------------------------
+    def check_installed(self) -> None:
+        """Raise StackError naming what `make setup` has not installed yet."""
 
     def is_ours(self, pid: int) -> bool:
         """True if the live PID is the server this state dir started (guards PID reuse)."""
@@ -246,9 +251,10 @@ class Component:
                     raise StackError(f"{self.name}: pid {pid} is running but does not answer on "
                                      f"{self.address()}; see {self.dir}")
                 return {"started": False, "pid": pid, "address": self.address()}
+            self.check_installed()
             for label, port in self.ports().items():
                 if not port_free(port):
-                    env = {"port": self.env_names[0], "controller_port": self.env_names[1]}[label]
+                    env = self.port_settings[label][1]
                     raise PortTaken(
                         f"{self.name}: port {port} on {HOST} ({env}) is in use by {port_holder(port)}, "
                         f"which this stack did not start (state dir {self.s.state_dir}). Stop it, "
@@ -298,6 +304,11 @@ class Component:
         pid = self.running_pid()
         info: dict = {"address": self.address(), **self.describe()}
         if pid is not None:
+            # Report where it really listens: it may have been started with other TETHER_*_PORT values.
+            ran = self.record()["ports"]
+            if ran != self.ports():
+                fields = {self.port_settings[label][0]: port for label, port in ran.items()}
+                return type(self)(replace(self.s, **fields)).status()
             info.update(state="running", pid=pid, answers=self.answers())
         else:
             taken = [p for p in self.ports().values() if not port_free(p)]
@@ -306,14 +317,13 @@ class Component:
                 info["note"] = f"port {taken[0]} is in use by {port_holder(taken[0])} (not ours)"
         return info
 
-    env_names: tuple[str, str] = ("", "")
-
 
 class Kafka(Component):
     """Apache Kafka, KRaft broker+controller, from the jars deploy/local/kafka/pom.xml resolves."""
 
     name = "kafka"
-    env_names = ("TETHER_KAFKA_PORT", "TETHER_KAFKA_CONTROLLER_PORT")
+    port_settings = {"port": ("kafka_port", "TETHER_KAFKA_PORT"),
+                     "controller_port": ("kafka_controller_port", "TETHER_KAFKA_CONTROLLER_PORT")}
 
     @property
     def libs(self) -> Path:
@@ -322,9 +332,6 @@ class Kafka(Component):
     @property
     def config(self) -> Path:
         return self.dir / "server.properties"
-
-    def ports(self) -> dict[str, int]:
-        return {"port": self.s.kafka_port, "controller_port": self.s.kafka_controller_port}
 
     def pom_digest(self) -> str:
         return hashlib.sha256((HERE / "kafka" / "pom.xml").read_bytes()).hexdigest()
@@ -364,12 +371,14 @@ class Kafka(Component):
                 f"-Dkafka.logs.dir={self.dir / 'logs'}",
                 "-cp", f"{self.libs}/*", main, *args]
 
-    def start(self) -> tuple[int, Path]:
+    def check_installed(self) -> None:
         if not self.libs_current():
             raise StackError(f"kafka: broker jars missing or older than deploy/local/kafka/pom.xml in "
                              f"{self.libs}; run `make setup`")
         if shutil.which("java") is None:
             raise StackError("kafka: `java` not found; run `make setup`")
+
+    def start(self) -> tuple[int, Path]:
         data = self.dir / "data"
         template = string.Template((HERE / "kafka" / "server.properties.in").read_text())
         self.config.write_text(template.substitute(
@@ -425,11 +434,8 @@ class Postgres(Component):
     """
 
     name = "postgres"
-    env_names = ("TETHER_PG_PORT", "")
+    port_settings = {"port": ("pg_port", "TETHER_PG_PORT")}
     stop_signal = signal.SIGINT  # "fast" shutdown: roll back open sessions instead of waiting on them
-
-    def ports(self) -> dict[str, int]:
-        return {"port": self.s.pg_port}
 
     @property
     def bindir(self) -> Path:
@@ -490,6 +496,12 @@ class Postgres(Component):
             return Path(os.readlink(f"/proc/{pid}/cwd")) == self.root / "data"
         except OSError:
             return False
+
+    def check_installed(self) -> None:
+        self._run_as()
+        for tool in ("initdb", "postgres", "pg_isready", "psql"):
+            if not (self.bindir / tool).is_file():
+                raise StackError(f"postgres: {self.bindir / tool} is missing; run `make setup`")
 
     def start(self) -> tuple[int, Path]:
         root = self._choose_root()
@@ -553,10 +565,7 @@ class Redis(Component):
     """redis-server from Debian's packages; no persistence (the projector rebuilds its hot state)."""
 
     name = "redis"
-    env_names = ("TETHER_REDIS_PORT", "")
-
-    def ports(self) -> dict[str, int]:
-        return {"port": self.s.redis_port}
+    port_settings = {"port": ("redis_port", "TETHER_REDIS_PORT")}
 
     def is_ours(self, pid: int) -> bool:
         # redis-server rewrites its title, so its cmdline no longer names our config; its cwd (`dir`) does.
@@ -565,9 +574,11 @@ class Redis(Component):
         except OSError:
             return False
 
-    def start(self) -> tuple[int, Path]:
+    def check_installed(self) -> None:
         if shutil.which("redis-server") is None:
             raise StackError("redis: `redis-server` not found; run `make setup`")
+
+    def start(self) -> tuple[int, Path]:
         (self.dir / "data").mkdir(parents=True, exist_ok=True)
         conf = self.dir / "redis.conf"
         conf.write_text(
@@ -604,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"any of {', '.join(COMPONENTS)} (default: all of them)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
+    # `stack.py status | head` should end quietly, not with a BrokenPipeError traceback.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     unknown = sorted(set(args.components) - set(COMPONENTS))
     if unknown:
         parser.error(f"unknown component(s) {', '.join(unknown)}; choose from {', '.join(COMPONENTS)}")

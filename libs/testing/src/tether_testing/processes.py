@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -48,8 +49,30 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the kernel's pick)."""
+    """A loopback TCP port that was free a moment ago, for a server to listen on.
+
+    Picked at random below the kernel's ephemeral range: the ephemeral ports are what outgoing
+    connections (many, on a machine running Kafka clients) take as their local port, and a server
+    asked to listen on one of those fails to bind.
+    """
+    high = _ephemeral_low() - 1
+    for _ in range(200):
+        port = random.randint(min(20000, high - 1000), high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
