@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tether_contracts.records import AgentSpec, Caps, ModelRef, RiskClass, ToolSpec
+from tether_contracts.records import AgentSpec, Caps, RiskClass, ToolSpec
 from tether_run_api.domain.admission import SubmitRateLimiter
 from tether_run_api.domain.auth import (
     ROLE_ADMIN,

@@ -9,7 +9,6 @@ import urllib.request
 import uuid
 
 import grpc
-import psycopg
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from google.rpc import error_details_pb2
