@@ -40,7 +40,10 @@ def tether_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
         try:
             root = find_repo_root(request.config.rootpath)
         except StackUnavailable:
-            root = find_repo_root(Path(__file__).resolve().parent)
+            try:
+                root = find_repo_root(Path(__file__).resolve().parent)
+            except StackUnavailable as err:
+                pytest.fail(str(err), pytrace=False)
         stack = LocalStack(root, os.environ)
     yield stack
     stack.close()
