@@ -165,6 +165,17 @@ def test_demo_makes_three_builtin_tool_calls_then_summarises_the_goal() -> None:
     assert "result 2" in final["message"]["content"]
 
 
+def test_demo_fetches_the_url_the_goal_names() -> None:
+    demo = load_scenarios([demo_scenario_path()])
+    with ModelServer(demo) as s:
+        named = chat(s, [user("Check the status page at http://127.0.0.1:8090/service-status, then report.")])
+        unnamed = chat(s, [user("Check the status page")])
+    url = json.loads(named.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])["url"]
+    fallback = json.loads(unnamed.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])["url"]
+    assert url == "http://127.0.0.1:8090/service-status"
+    assert fallback == "https://example.com/"
+
+
 def test_demo_tool_arguments_fit_the_builtin_tools() -> None:
     scenario = load_scenarios([demo_scenario_path()]).select("x")
     args = [t.tool_calls[0].arguments for t in scenario.turns[:3]]

@@ -13,6 +13,9 @@ from tether_modelserver.conversation import Conversation
 from tether_modelserver.scenarios import Scenario, ScenarioSet, ScriptedTurn
 
 _TEMPLATE = re.compile(r"\{\{\s*([a-zA-Z_][a-zA-Z0-9_]*)((?:\.[a-zA-Z0-9_]+)*)\s*\}\}")
+_URL = re.compile(r"https?://[^\s<>\"'`]+")
+#: `{{goal_url}}` when the goal names no URL.
+DEFAULT_GOAL_URL = "https://example.com/"
 
 
 class TemplateError(Exception):
@@ -72,9 +75,16 @@ def _lookup(value: Any, path: str) -> Any:
     return value
 
 
+def goal_url(goal: str) -> str:
+    """The first http(s) URL in the goal (trailing sentence punctuation dropped), else DEFAULT_GOAL_URL."""
+    found = _URL.search(goal)
+    return found.group(0).rstrip(".,;:!?)]}") if found else DEFAULT_GOAL_URL
+
+
 def _variables(conv: Conversation, run_id: str) -> dict[str, Any]:
     return {
         "goal": conv.goal,
+        "goal_url": goal_url(conv.goal),
         "turn": conv.turn_index,
         "run_id": run_id,
         "tool_result_count": len(conv.tool_results),
