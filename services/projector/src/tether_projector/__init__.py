@@ -1,1 +1,1 @@
-"""Read model: PostgreSQL tables, Redis hot state and live run streams."""
+"""The projector: builds the queryable run state (PostgreSQL read model, Redis hot state and live streams) from the run event log."""

@@ -1,0 +1,76 @@
+"""Composition root: `python -m tether_projector` projects the run event log; `... rebuild` replays it from 0."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tether_messaging.loop import serve_processor
+from tether_projector.bootstrap import build_live, build_processor, declare_topics
+from tether_projector.metrics import ProjectorMetrics
+from tether_projector.settings import ProjectorSettings
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tether_projector", description=__doc__)
+    commands = parser.add_subparsers(dest="command")
+    commands.add_parser("run", help="project the run event log continuously (the default)")
+    rebuild = commands.add_parser(
+        "rebuild",
+        help="drop and rebuild the read model by replaying the run event log from offset 0",
+        description="Replays the log into <schema>__rebuild, then swaps it in for <schema> in one transaction. "
+        "Stop the projector first when <schema> is the schema it writes.",
+    )
+    rebuild.add_argument("--schema", help="target schema (default: TETHER_PROJECTOR_READ_MODEL_SCHEMA)")
+    rebuild.add_argument("--redis", action="store_true", help="also republish Redis hot state and live streams")
+    rebuild.add_argument("--batch", type=int, help="events per transaction (default: TETHER_PROJECTOR_REBUILD_BATCH)")
+    return parser
+
+
+def run(settings: ProjectorSettings) -> int:
+    """The live projector on the shared loop, at-least-once (offsets committed after the database)."""
+    if settings.declare_topics:
+        declare_topics(settings)
+    processor = build_processor(settings)
+    processor.deps.read_model.ensure_schema()
+    # At-least-once: nothing is produced, so there is nothing to make atomic with the offsets; a
+    # handler error stops the process (replayed after restart) rather than dropping the event.
+    return serve_processor(processor, settings, transactional=False, handler_errors="fail")
+
+
+def rebuild(settings: ProjectorSettings, schema: str | None, with_redis: bool, batch: int | None) -> int:
+    """Replay the log from offset 0 into a fresh read model; prints the report as JSON."""
+    from tether_projector.rebuild import RebuildFailed
+    from tether_projector.rebuild import rebuild as replay
+    from tether_runtime import logging as runtime_logging
+
+    runtime_logging.configure("projector", settings.log_level, instance="rebuild")
+    try:
+        report = replay(
+            bootstrap=settings.kafka_bootstrap,
+            topic=settings.input_topic(),
+            dsn=settings.pg_dsn,
+            target_schema=schema or settings.read_model_schema,
+            group_id=f"{settings.topics().group_id('projector')}.rebuild",
+            metrics=ProjectorMetrics(),
+            live=build_live(settings) if with_redis else None,
+            batch_size=batch or settings.rebuild_batch,
+        )
+    except RebuildFailed as exc:
+        print(f"rebuild failed: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.__dict__, sort_keys=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    settings = ProjectorSettings()
+    if args.command == "rebuild":
+        return rebuild(settings, args.schema, args.redis, args.batch)
+    return run(settings)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""Projecting a batch of log events: one read-model transaction, then the live state in Redis."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from tether_projector.domain.errors import UnsealedEvent
+from tether_projector.domain.live import hot_state, stream_fields
+from tether_projector.domain.project import is_duplicate, project
+from tether_projector.domain.rows import Upsert, merge
+from tether_projector.domain.state import RunFold
+from tether_projector.metrics import ProjectorMetrics
+from tether_projector.ports import LiveState, LiveUnavailable, LiveUpdate, LogEvent, ReadModel
+
+log = structlog.get_logger("tether_projector")
+
+
+@dataclass(frozen=True)
+class Deps:
+    """What projection needs; `live` is None when Redis is not to be touched (e.g. a rebuild)."""
+
+    read_model: ReadModel
+    live: LiveState | None
+    metrics: ProjectorMetrics
+
+
+@dataclass
+class BatchResult:
+    """What a batch did."""
+
+    applied: int = 0
+    duplicates: int = 0
+    #: Events that can never be projected, with the reason (the caller dead-letters or reports them).
+    rejected: list[tuple[LogEvent, UnsealedEvent]] = field(default_factory=list)
+    chain_problems: list[str] = field(default_factory=list)
+
+
+def project_batch(events: Sequence[LogEvent], *, deps: Deps) -> BatchResult:
+    """Project events in log order in ONE read-model transaction, then publish them live.
+
+    Idempotent: an event at or below its run's stored last_seq writes nothing (it is still
+    re-published live, which Redis dedups, so a crash between the commit and the publish heals
+    on redelivery). The transaction commits every event's rows together with its run's
+    last_seq, so the read model never holds half an event.
+    """
+    started = time.monotonic()
+    result = BatchResult()
+    sealed: list[LogEvent] = []
+    for ev in events:
+        if ev.envelope.seq is None or ev.envelope.prev_hash is None or ev.envelope.hash is None:
+            result.rejected.append((ev, UnsealedEvent(ev.envelope.event_id, ev.envelope.run_id)))
+        else:
+            sealed.append(ev)
+
+    duplicate_flags: list[bool] = []
+    with deps.read_model.transaction() as tx:
+        folds: dict[str, RunFold] = tx.load_runs(sorted({ev.envelope.run_id for ev in sealed}))
+        writes: list[Upsert] = []
+        for ev in sealed:
+            run_id = ev.envelope.run_id
+            fold = folds.get(run_id)
+            if is_duplicate(fold, ev.envelope):
+                duplicate_flags.append(True)
+                continue
+            projected = project(fold, ev.envelope, ev.payload)
+            folds[run_id] = projected.fold
+            writes.extend(projected.writes)
+            result.chain_problems.extend(projected.chain_problems)
+            duplicate_flags.append(False)
+        tx.write(merge(writes))
+
+    result.applied = duplicate_flags.count(False)
+    result.duplicates = duplicate_flags.count(True)
+    m = deps.metrics
+    m.events.labels("applied").inc(result.applied)
+    m.events.labels("duplicate").inc(result.duplicates)
+    m.events.labels("rejected").inc(len(result.rejected))
+    for problem in result.chain_problems:
+        kind = problem.split(" ", 3)[2].rstrip(":")
+        m.chain_problems.labels(kind).inc()
+        log.warning("chain_problem", problem=problem)
+
+    if deps.live is not None and sealed:
+        updates = [_live_update(ev, folds[ev.envelope.run_id]) for ev in sealed]
+        try:
+            deps.live.publish(updates)
+        except LiveUnavailable as exc:
+            # PostgreSQL is the source of truth for readers; live state catches up with the
+            # run's next event (or a redelivery). Failing here would stall the read model too.
+            m.live_failures.inc()
+            log.warning("live_publish_failed", error=str(exc), events=len(updates))
+    m.batch_seconds.observe(time.monotonic() - started)
+    return result
+
+
+def _live_update(ev: LogEvent, fold: RunFold) -> LiveUpdate:
+    env = ev.envelope
+    return LiveUpdate(
+        run_id=env.run_id,
+        tenant_id=fold.tenant_id,
+        seq=env.seq or 0,
+        entry=stream_fields(env, ev.payload),
+        hot=hot_state(fold),
+        hot_seq=fold.last_seq,
+        created_at_ms=fold.created_at_ms,
+        ended=fold.ended,
+    )
