@@ -17,35 +17,148 @@ from tether_run_api.api.server import RunningServer, start_server
 from tether_run_api.bootstrap import App, build_app
 from tether_run_api.settings import RunApiSettings
 
-# The read-model tables run-api reads, as the projector documents them (services/projector/README.md).
+# The projector's read-model DDL (tether_projector.adapters.postgres.DDL), so these tests run
+# run-api's queries against the tables the projector really creates.
 READ_MODEL_DDL = """
 CREATE SCHEMA IF NOT EXISTS {s};
-CREATE TABLE {s}.runs (
-    run_id text PRIMARY KEY, tenant_id text NOT NULL, status text NOT NULL, agent_id text, agent_version int,
-    goal text, principal_id text, answer text, input_tokens bigint, output_tokens bigint, cost_usd_micros bigint,
-    steps int, termination jsonb, created_at_ms bigint, updated_at_ms bigint, ended_at_ms bigint, last_seq bigint
+
+CREATE TABLE IF NOT EXISTS {s}.runs (
+    run_id            text PRIMARY KEY,
+    tenant_id         text NOT NULL,
+    status            text NOT NULL,
+    principal_id      text,
+    request_id        text,
+    goal              text,
+    agent_id          text,
+    agent_version     integer,
+    agent_name        text,
+    model_provider    text,
+    model_name        text,
+    caps              jsonb,
+    deadline_ms       bigint,
+    answer            text,
+    reason_code       text,
+    termination       jsonb,
+    input_tokens      bigint NOT NULL DEFAULT 0,
+    output_tokens     bigint NOT NULL DEFAULT 0,
+    cost_usd_micros   bigint NOT NULL DEFAULT 0,
+    steps             integer NOT NULL DEFAULT 0,
+    current_step      integer NOT NULL DEFAULT 0,
+    tool_calls        integer NOT NULL DEFAULT 0,
+    created_at_ms     bigint NOT NULL,
+    updated_at_ms     bigint NOT NULL,
+    ended_at_ms       bigint,
+    last_seq          bigint NOT NULL,
+    last_hash         text NOT NULL,
+    chain_ok          boolean NOT NULL DEFAULT true,
+    chain_problems    jsonb NOT NULL DEFAULT '[]',
+    state             jsonb NOT NULL
 );
-CREATE TABLE {s}.steps (
-    tenant_id text NOT NULL, run_id text NOT NULL, step int NOT NULL, status text, input_tokens bigint,
-    output_tokens bigint, cost_usd_micros bigint, assistant_text text, finish_reason text, started_at_ms bigint,
-    ended_at_ms bigint, PRIMARY KEY (run_id, step)
-);
-CREATE TABLE {s}.tool_calls (
-    tenant_id text NOT NULL, run_id text NOT NULL, call_id text NOT NULL, step int NOT NULL, call_index int NOT NULL,
-    tool_name text, args_json text, args_hash text, status text, result_json text, error_code text, detail text,
-    approval_id text, PRIMARY KEY (run_id, call_id)
-);
-CREATE TABLE {s}.events (
-    tenant_id text NOT NULL, run_id text NOT NULL, seq bigint NOT NULL, event_id text NOT NULL,
-    event_type text NOT NULL, recorded_at_ms bigint NOT NULL, payload jsonb NOT NULL, hash text, prev_hash text,
+CREATE INDEX IF NOT EXISTS runs_tenant_created ON {s}.runs (tenant_id, created_at_ms DESC, run_id);
+CREATE INDEX IF NOT EXISTS runs_tenant_status ON {s}.runs (tenant_id, status);
+
+CREATE TABLE IF NOT EXISTS {s}.events (
+    run_id            text NOT NULL,
+    seq               bigint NOT NULL,
+    tenant_id         text NOT NULL,
+    event_id          text NOT NULL,
+    event_type        text NOT NULL,
+    recorded_at_ms    bigint NOT NULL,
+    producer          text NOT NULL,
+    payload           jsonb NOT NULL,
+    hash              text NOT NULL,
+    prev_hash         text NOT NULL,
+    causation_id      text,
     PRIMARY KEY (run_id, seq)
 );
-CREATE TABLE {s}.approvals (
-    approval_id text PRIMARY KEY, tenant_id text NOT NULL, run_id text NOT NULL, call_id text NOT NULL, step int,
-    tool_name text, args_json text, args_hash text NOT NULL, risk_class text, reasons text[], provenance_json text,
-    status text NOT NULL, requested_at_ms bigint, expires_at_ms bigint, decided_by text, decided_at_ms bigint,
-    comment text
+CREATE INDEX IF NOT EXISTS events_event_id ON {s}.events (event_id);
+
+CREATE TABLE IF NOT EXISTS {s}.steps (
+    run_id                     text NOT NULL,
+    step                       integer NOT NULL,
+    tenant_id                  text NOT NULL,
+    status                     text,
+    started_at_ms              bigint,
+    remaining_steps            integer,
+    remaining_tokens           bigint,
+    remaining_cost_usd_micros  bigint,
+    remaining_wall_clock_ms    bigint,
+    loop_warning               text,
+    model_provider             text,
+    model_name                 text,
+    input_tokens               bigint,
+    output_tokens              bigint,
+    cost_usd_micros            bigint,
+    assistant_text             text,
+    message_ref                jsonb,
+    finish_reason              text,
+    latency_ms                 bigint,
+    attempts                   integer,
+    compacted                  boolean,
+    tool_call_count            integer,
+    model_completed_at_ms      bigint,
+    error_code                 text,
+    detail                     text,
+    ended_at_ms                bigint,
+    PRIMARY KEY (run_id, step)
 );
+
+CREATE TABLE IF NOT EXISTS {s}.tool_calls (
+    run_id            text NOT NULL,
+    call_id           text NOT NULL,
+    tenant_id         text NOT NULL,
+    step              integer NOT NULL,
+    call_index        integer,
+    tool_name         text,
+    args_json         text,
+    args_hash         text,
+    idem_key          text,
+    provenance_json   text,
+    status            text,
+    approval_id       text,
+    result_json       text,
+    result_ref        jsonb,
+    untrusted         boolean,
+    duration_ms       bigint,
+    replayed          boolean,
+    error_code        text,
+    detail            text,
+    retryable         boolean,
+    policy_version    text,
+    inputs_hash       text,
+    requested_at_ms   bigint,
+    budgeted_at_ms    bigint,
+    updated_at_ms     bigint,
+    ended_at_ms       bigint,
+    PRIMARY KEY (run_id, call_id)
+);
+CREATE INDEX IF NOT EXISTS tool_calls_step ON {s}.tool_calls (run_id, step, call_index);
+
+CREATE TABLE IF NOT EXISTS {s}.approvals (
+    approval_id       text PRIMARY KEY,
+    tenant_id         text NOT NULL,
+    run_id            text,
+    call_id           text,
+    step              integer,
+    idem_key          text,
+    tool_name         text,
+    args_json         text,
+    args_hash         text,
+    risk_class        text,
+    reasons           text[],
+    provenance_json   text,
+    policy_version    text,
+    inputs_hash       text,
+    requested_at_ms   bigint,
+    expires_at_ms     bigint,
+    status            text,
+    decided_by        text,
+    decided_at_ms     bigint,
+    comment           text,
+    withdrawn_at_ms   bigint
+);
+CREATE INDEX IF NOT EXISTS approvals_tenant_status ON {s}.approvals (tenant_id, status, requested_at_ms, approval_id);
+CREATE INDEX IF NOT EXISTS approvals_run ON {s}.approvals (run_id);
 """
 
 

@@ -249,7 +249,8 @@ def test_catalog_versions_pages_and_idempotent_creates(stack) -> None:
 def _seed_run(stack, tenant_id: str, run_id: str, status: str = "RUNNING", last_seq: int = 0) -> None:
     with stack.pg() as conn:
         conn.execute(sql.SQL("INSERT INTO {}.runs (run_id, tenant_id, status, agent_id, agent_version, goal, "
-                             "last_seq) VALUES (%s, %s, %s, 'helper', 1, 'g', %s)").format(
+                             "principal_id, created_at_ms, updated_at_ms, last_seq, last_hash, state) "
+                             "VALUES (%s, %s, %s, 'helper', 1, 'g', 'alice', 1, 1, %s, '', '{{}}')").format(
             sql.Identifier(stack.settings.read_model_schema)), (run_id, tenant_id, status, last_seq))
 
 
@@ -262,7 +263,8 @@ def _event(run_id: str, seq: int, etype: str) -> dict:
 def _store_event(stack, tenant_id: str, e: dict) -> None:
     with stack.pg() as conn:
         conn.execute(sql.SQL("INSERT INTO {}.events (tenant_id, run_id, seq, event_id, event_type, recorded_at_ms, "
-                             "payload, hash, prev_hash) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)").format(
+                             "payload, hash, prev_hash, producer) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, "
+                             "'budget')").format(
             sql.Identifier(stack.settings.read_model_schema)),
             (tenant_id, e["run_id"], e["seq"], e["event_id"], e["event_type"], e["recorded_at_ms"],
              json.dumps(e["payload"]), e["hash"], e["prev_hash"]))
@@ -281,7 +283,9 @@ def test_stream_run_events_catches_up_follows_live_and_resumes(stack) -> None:
     tenant_id, key = with_demo(stack)
     runs = runs_grpc.RunServiceStub(stack.channel)
     run_id = runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="g"), metadata=md(key)).run_id
-    _seed_run(stack, tenant_id, run_id)
+    _seed_run(stack, tenant_id, run_id, status="ACCEPTED")
+    assert runs.GetRun(runs_pb.GetRunRequest(run_id=run_id), metadata=md(key)).run.status == \
+        runs_pb.RUN_STATUS_RUNNING
     types = ["RunAccepted", "StepGranted", "ModelCallCompleted", "ToolCallRequested", "ToolCallBudgeted",
              "ToolCallCompleted", "StepGranted", "ModelCallCompleted", "RunCompleted"]
     events = [_event(run_id, i + 1, t) for i, t in enumerate(types)]
@@ -442,3 +446,75 @@ def test_bootstrap_demo_is_repeatable_and_its_keys_work(stack, monkeypatch, tmp_
         agents_grpc.AgentServiceStub(stack.channel).CreateAgent(
             agents_pb.CreateAgentRequest(agent=agents_pb.Agent(agent_id="x")), metadata=md(approver))
     assert reason(err.value) == "MISSING_ROLE"
+
+
+def test_queries_map_the_projectors_rows(stack) -> None:
+    tenant_id, key = with_demo(stack)
+    runs = runs_grpc.RunServiceStub(stack.channel)
+    approvals = approvals_grpc.ApprovalServiceStub(stack.channel)
+    run_id = runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="g"), metadata=md(key)).run_id
+    rm = sql.Identifier(stack.settings.read_model_schema)
+    report = {"reason_code": "STEP_CAP", "detail": "4 steps", "steps_done": 4, "tool_calls_done": ["1.0 lookup COMPLETED"],
+              "pending": ["2.0 lookup"], "usage": {"input_tokens": 10, "output_tokens": 5, "cost_usd_micros": 7},
+              "last_error": None, "suggested_next_action": "raise max_steps"}
+    with stack.pg() as conn:
+        conn.execute(sql.SQL(
+            "INSERT INTO {}.runs (run_id, tenant_id, status, principal_id, goal, agent_id, agent_version, "
+            "termination, input_tokens, output_tokens, cost_usd_micros, steps, created_at_ms, updated_at_ms, "
+            "ended_at_ms, last_seq, last_hash, state) VALUES (%s, %s, 'WAITING_APPROVAL', 'alice', 'g', 'helper', "
+            "1, NULL, 10, 5, 7, 2, 1000, 2000, NULL, 12, 'h', '{{}}')").format(rm), (run_id, tenant_id))
+        for step in (1, 2):
+            conn.execute(sql.SQL(
+                "INSERT INTO {}.steps (run_id, step, tenant_id, status, input_tokens, output_tokens, "
+                "cost_usd_micros, assistant_text, finish_reason, started_at_ms, ended_at_ms) "
+                "VALUES (%s, %s, %s, 'TOOL_CALLS', 5, 2, 3, 'thinking', 'tool_calls', 1000, NULL)").format(rm),
+                (run_id, step, tenant_id))
+            for index, status in enumerate(("COMPLETED", "WAITING_APPROVAL")):
+                conn.execute(sql.SQL(
+                    "INSERT INTO {}.tool_calls (run_id, call_id, tenant_id, step, call_index, tool_name, args_json, "
+                    "args_hash, status, approval_id) VALUES (%s, %s, %s, %s, %s, 'lookup', '{{\"q\":1}}', 'x', %s, "
+                    "%s)").format(rm),
+                    (run_id, f"{step}.{index}", tenant_id, step, index, status,
+                     f"ap-{run_id}-{step}" if index else None))
+        conn.execute(sql.SQL(
+            "INSERT INTO {}.approvals (approval_id, tenant_id, run_id, call_id, step, tool_name, args_json, args_hash, "
+            "risk_class, reasons, status, requested_at_ms, expires_at_ms) VALUES (%s, %s, %s, '1.1', 1, 'lookup', "
+            "'{{}}', %s, 'WRITE', ARRAY['TAINTED_EGRESS'], 'WITHDRAWN', 5, 10)").format(rm),
+            (f"ap-{run_id}-1", tenant_id, run_id, "ef" * 32))
+
+    run = runs.GetRun(runs_pb.GetRunRequest(run_id=run_id), metadata=md(key)).run
+    assert run.status == runs_pb.RUN_STATUS_WAITING and run.steps == 2 and run.last_seq == 12
+    assert (run.usage.input_tokens, run.usage.output_tokens, run.usage.cost_usd_micros) == (10, 5, 7)
+    assert not run.HasField("termination") and not run.HasField("end_time")
+    with stack.pg() as conn:
+        conn.execute(sql.SQL("UPDATE {}.runs SET status = 'TERMINATED', termination = %s, ended_at_ms = 3000 "
+                             "WHERE run_id = %s").format(rm), (json.dumps(report), run_id))
+    run = runs.GetRun(runs_pb.GetRunRequest(run_id=run_id), metadata=md(key)).run
+    assert run.status == runs_pb.RUN_STATUS_TERMINATED and run.end_time.ToMilliseconds() == 3000
+    assert run.termination.reason_code == "STEP_CAP" and list(run.termination.pending) == ["2.0 lookup"]
+    assert run.termination.suggested_next_action == "raise max_steps"
+    with pytest.raises(grpc.RpcError) as err:
+        runs.CancelRun(runs_pb.CancelRunRequest(run_id=run_id), metadata=md(key))
+    assert reason(err.value) == "RUN_ALREADY_FINISHED"
+
+    first = runs.ListRunSteps(runs_pb.ListRunStepsRequest(run_id=run_id, page_size=1), metadata=md(key))
+    assert [s.step for s in first.steps] == [1] and first.next_page_token
+    second = runs.ListRunSteps(runs_pb.ListRunStepsRequest(run_id=run_id, page_size=1,
+                                                           page_token=first.next_page_token), metadata=md(key))
+    assert [s.step for s in second.steps] == [2] and not second.next_page_token
+    calls = first.steps[0].tool_calls
+    assert [(c.call_id, c.status, c.approval_id) for c in calls] == \
+        [("1.0", "COMPLETED", ""), ("1.1", "WAITING_APPROVAL", f"ap-{run_id}-1")]
+    assert first.steps[0].usage.cost_usd_micros == 3 and first.steps[0].assistant_text == "thinking"
+
+    assert approvals.ListApprovals(approvals_pb.ListApprovalsRequest(run_id=run_id), metadata=md(key)).approvals == []
+    withdrawn = approvals.ListApprovals(approvals_pb.ListApprovalsRequest(
+        run_id=run_id, status=approvals_pb.APPROVAL_STATUS_WITHDRAWN), metadata=md(key)).approvals
+    assert [(a.approval_id, list(a.reasons), a.risk_class) for a in withdrawn] == \
+        [(f"ap-{run_id}-1", ["TAINTED_EGRESS"], types_pb.RISK_CLASS_WRITE)]
+    bob = admin.issue_key(stack.app.store, tenant_id, "bob", (ROLE_APPROVER,)).api_key
+    with pytest.raises(grpc.RpcError) as err:
+        approvals.DecideApproval(approvals_pb.DecideApprovalRequest(approval_id=f"ap-{run_id}-1",
+                                                                    args_hash="ef" * 32, approve=True),
+                                 metadata=md(bob))
+    assert reason(err.value) == "APPROVAL_NOT_PENDING"

@@ -70,7 +70,7 @@ from tether_run_api.ports import (
 )
 
 PRODUCER = "run-api"
-APPROVAL_STATUSES = ("PENDING", "APPROVED", "REJECTED", "EXPIRED")
+APPROVAL_STATUSES = ("PENDING", "APPROVED", "REJECTED", "EXPIRED", "WITHDRAWN")
 _HEX64 = frozenset("0123456789abcdef")
 
 

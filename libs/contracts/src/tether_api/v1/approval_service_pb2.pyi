@@ -19,11 +19,13 @@ class ApprovalStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     APPROVAL_STATUS_APPROVED: _ClassVar[ApprovalStatus]
     APPROVAL_STATUS_REJECTED: _ClassVar[ApprovalStatus]
     APPROVAL_STATUS_EXPIRED: _ClassVar[ApprovalStatus]
+    APPROVAL_STATUS_WITHDRAWN: _ClassVar[ApprovalStatus]
 APPROVAL_STATUS_UNSPECIFIED: ApprovalStatus
 APPROVAL_STATUS_PENDING: ApprovalStatus
 APPROVAL_STATUS_APPROVED: ApprovalStatus
 APPROVAL_STATUS_REJECTED: ApprovalStatus
 APPROVAL_STATUS_EXPIRED: ApprovalStatus
+APPROVAL_STATUS_WITHDRAWN: ApprovalStatus
 
 class Approval(_message.Message):
     __slots__ = ("approval_id", "run_id", "call_id", "step", "tool_name", "args_json", "args_hash", "risk_class", "reasons", "provenance_json", "status", "request_time", "expire_time", "decided_by", "decide_time", "comment")

@@ -32,13 +32,22 @@ def _json(value: Any) -> Any:
     return json.loads(value)
 
 
+# The projector's runs.status values (tether_projector.domain.state.RunStatus) → the API's.
+_STATUS = {
+    "ACCEPTED": RunStatus.RUNNING,  # admitted, no step granted yet
+    "RUNNING": RunStatus.RUNNING,
+    "WAITING_APPROVAL": RunStatus.WAITING,
+    "OUTCOME_UNKNOWN": RunStatus.WAITING,  # a human must resolve a call whose outcome is unknown
+    "COMPLETED": RunStatus.COMPLETED,
+    "TERMINATED": RunStatus.TERMINATED,
+    "REJECTED": RunStatus.REJECTED,
+}
+
+
 def _status(value: str) -> RunStatus:
-    try:
-        return RunStatus(value)
-    except ValueError:
-        # A status the projector added later than this run-api: the run exists and is not
-        # known to be finished, so RUNNING is the honest reading.
-        return RunStatus.RUNNING
+    # A status the projector added later than this run-api: the run exists and is not known
+    # to be finished, so RUNNING is the honest reading.
+    return _STATUS.get(value, RunStatus.RUNNING)
 
 
 def _run(row: dict[str, Any]) -> RunView:

@@ -28,6 +28,7 @@ _APPROVAL_TO_PB = {
     "APPROVED": approvals_pb.APPROVAL_STATUS_APPROVED,
     "REJECTED": approvals_pb.APPROVAL_STATUS_REJECTED,
     "EXPIRED": approvals_pb.APPROVAL_STATUS_EXPIRED,
+    "WITHDRAWN": approvals_pb.APPROVAL_STATUS_WITHDRAWN,
 }
 APPROVAL_FROM_PB = {v: k for k, v in _APPROVAL_TO_PB.items()}
 

@@ -270,12 +270,12 @@ def cancel(
 # -- approvals -------------------------------------------------------------------------------------
 
 
-_APPROVAL_STATUS = {"pending": 1, "approved": 2, "rejected": 3, "expired": 4}
+_APPROVAL_STATUS = {"pending": 1, "approved": 2, "rejected": 3, "expired": 4, "withdrawn": 5}
 
 
 @approvals_app.command("list")
 def approvals_list(
-    status: Annotated[str, typer.Option(help="pending, approved, rejected or expired")] = "pending",
+    status: Annotated[str, typer.Option(help="pending, approved, rejected, expired or withdrawn")] = "pending",
     run_id: Annotated[str, typer.Option("--run", help="only this run")] = "",
 ) -> None:
     """List approvals (pending by default)."""

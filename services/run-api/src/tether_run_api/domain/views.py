@@ -101,7 +101,7 @@ class ApprovalView:
     run_id: str
     call_id: str
     args_hash: str
-    status: str  # PENDING, APPROVED, REJECTED, EXPIRED
+    status: str  # PENDING, APPROVED, REJECTED, EXPIRED, WITHDRAWN
     step: int = 0
     tool_name: str = ""
     args_json: str = ""
