@@ -175,6 +175,7 @@ class SandboxRunner:
         bwrap: str = "/usr/bin/bwrap",
         setpriv: str = "/usr/bin/setpriv",
         prlimit: str = "/usr/bin/prlimit",
+        unshare: str = "/usr/bin/unshare",
         read_only_paths: Sequence[str] = (),
         seccomp: bool = True,
     ) -> None:
@@ -182,8 +183,9 @@ class SandboxRunner:
         self._bwrap = bwrap
         self._setpriv = setpriv
         self._prlimit = prlimit
+        self._unshare = unshare
         self._as_root = os.geteuid() == 0
-        for tool in (bwrap, prlimit) + ((setpriv,) if self._as_root else ()):
+        for tool in (bwrap, prlimit) + ((setpriv, unshare) if self._as_root else ()):
             if not (os.path.isfile(tool) and os.access(tool, os.X_OK)):
                 raise SandboxUnavailable(
                     f"{tool} is missing or not executable; install bubblewrap and util-linux "
@@ -235,7 +237,8 @@ class SandboxRunner:
         /sandbox is a new size-capped tmpfs (`work_bytes`) that vanishes with the sandbox, unless
         `workdir` is given: that host directory is bound read-write at /sandbox and handed to uid
         65534 (chown of the directory itself, not its contents); its disk use is bounded only per
-        file (`max_file_bytes`), so give one only to trusted-size work.
+        file (`max_file_bytes`), so give one only to trusted-size work. Every ancestor of
+        `workdir` must be searchable by uid 65534 (InvalidSandboxRequest otherwise).
         """
         return self._run(list(argv), workdir=workdir, stdin=stdin, limits=limits, script=None)
 
@@ -254,13 +257,9 @@ class SandboxRunner:
             raise InvalidSandboxRequest("argv must be a non-empty list of strings without NUL bytes")
         limits = limits or self.limits
         work: Path | None = None
-        if workdir is not None:
-            work = Path(workdir)
-            if work.is_symlink() or not work.is_dir():
-                raise InvalidSandboxRequest(f"workdir {work} must be an existing directory (not a symlink)")
-            if self._as_root:
-                os.chown(work, NOBODY, NOBODY)
         fds: list[int] = []
+        if workdir is not None:
+            work = self._prepare_workdir(Path(workdir))
         try:
             return self._spawn_and_watch(argv, work, stdin, limits, script, fds)
         finally:
@@ -270,10 +269,32 @@ class SandboxRunner:
                 except OSError:
                     pass
 
+    def _prepare_workdir(self, workdir: Path) -> Path:
+        """Check that uid 65534 can reach `workdir` (bwrap resolves it as that user) and hand it over."""
+        if workdir.is_symlink() or not workdir.is_dir():
+            raise InvalidSandboxRequest(f"workdir {workdir} must be an existing directory, not a symlink")
+        work = workdir.resolve()
+        for ancestor in work.parents:
+            st = ancestor.stat()
+            if not (st.st_mode & 0o001 or (st.st_uid == NOBODY and st.st_mode & 0o100)):
+                raise InvalidSandboxRequest(
+                    f"workdir {work} is not reachable by uid {NOBODY}: {ancestor} is mode {st.st_mode & 0o777:o}"
+                )
+        if self._as_root:
+            os.chown(work, NOBODY, NOBODY)
+        return work
+
     def _command(self, argv: list[str], work: Path | None, limits: SandboxLimits, data_fds: Mapping[str, int],
                  seccomp_fd: int | None, status_fd: int) -> list[str]:
         cmd: list[str] = []
         if self._as_root:
+            # A chain of parent-death signals, so a crash of this process cannot leave a sandbox
+            # behind: setpriv arms SIGKILL on unshare; unshare arms it on its child; the second
+            # setpriv re-arms it after the uid change (which clears it). That child, bwrap, is PID 1
+            # of a fresh PID namespace, and when a namespace's PID 1 dies the kernel kills every
+            # process in it, nested namespaces included. bwrap's own --die-with-parent is not
+            # enough: its setup clears the signal, so a parent dying mid-setup leaves it running.
+            cmd += [self._setpriv, "--pdeathsig=KILL", self._unshare, "--pid", "--fork", "--kill-child=SIGKILL"]
             # Drop to 65534 *before* bwrap: then the namespace's uid maps to host uid 65534, not to
             # root, and RLIMIT_NPROC (which root ignores) bounds the sandbox.
             cmd += [self._setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
@@ -379,8 +400,8 @@ class SandboxRunner:
         killed = False
 
         def kill_tree() -> None:
-            # bwrap is the group leader (start_new_session); SIGKILL to it makes the PID-namespace
-            # init die (--die-with-parent), and the kernel then kills every process in the namespace.
+            # The wrapper chain and the outer bwrap share one process group (start_new_session);
+            # the outer bwrap is PID 1 of its namespace, so its death takes every sandboxed process.
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -401,8 +422,9 @@ class SandboxRunner:
                     timed_out = True
                     killed = True
                     kill_tree()
-                if pid_ns is None:
-                    pid_ns = _pid_namespace(status_buf)
+                if pid_ns is None and _json_documents(bytes(status_buf)):
+                    # bwrap has forked the sandbox's init: the wrapper chain is stable now.
+                    pid_ns = _sandbox_pid_namespace(proc.pid, hops=2 if self._as_root else 1)
                 if pid_ns is not None and wait_status is None:
                     peak_tasks = max(peak_tasks, _sample_namespace(pid_ns, cpu_ticks))
                 for key, _ in sel.select(timeout=_TICK_S):
@@ -495,11 +517,23 @@ def _json_documents(raw: bytes) -> list[dict]:
     return docs
 
 
-def _pid_namespace(status_buf: bytearray) -> int | None:
-    for doc in _json_documents(bytes(status_buf)):
-        if "pid-namespace" in doc:
-            return int(doc["pid-namespace"])
-    return None
+def _sandbox_pid_namespace(root_pid: int, *, hops: int) -> int | None:
+    """Inode of the sandbox's PID namespace: that of bwrap's init, `hops` first-children below `root_pid`.
+
+    bwrap's own JSON status cannot say: it runs inside the wrapper's PID namespace and cannot
+    see itself in the host's /proc.
+    """
+    pid = root_pid
+    try:
+        for _ in range(hops):
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                children = f.read().split()
+            if not children:
+                return None
+            pid = int(children[0])
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 def _classify(*, limits: SandboxLimits, exit_code: int | None, sig: int | None, timed_out: bool,
