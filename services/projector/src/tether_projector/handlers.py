@@ -10,7 +10,7 @@ import structlog
 
 from tether_projector.domain.errors import UnsealedEvent
 from tether_projector.domain.live import hot_state, stream_fields
-from tether_projector.domain.project import is_duplicate, project
+from tether_projector.domain.project import is_duplicate, problem_kind, project
 from tether_projector.domain.rows import Upsert, merge
 from tether_projector.domain.state import RunFold
 from tether_projector.metrics import ProjectorMetrics
@@ -80,8 +80,7 @@ def project_batch(events: Sequence[LogEvent], *, deps: Deps) -> BatchResult:
     m.events.labels("duplicate").inc(result.duplicates)
     m.events.labels("rejected").inc(len(result.rejected))
     for problem in result.chain_problems:
-        kind = problem.split(" ", 3)[2].rstrip(":")
-        m.chain_problems.labels(kind).inc()
+        m.chain_problems.labels(problem_kind(problem)).inc()
         log.warning("chain_problem", problem=problem)
 
     if deps.live is not None and sealed:

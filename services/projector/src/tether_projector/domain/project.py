@@ -118,6 +118,11 @@ def check_chain(fold: RunFold | None, envelope: Envelope) -> list[str]:
     return problems
 
 
+def problem_kind(problem: str) -> str:
+    """The kind (GAP, HASH_MISMATCH, ...) of a chain problem string from `check_chain`."""
+    return problem.split(" ", 3)[2].rstrip(":")
+
+
 def derive_status(fold: RunFold) -> str:
     """The run's status from its fold: an ended run stays ended; a human wait shows over running."""
     if fold.ended:
