@@ -6,10 +6,12 @@ import pytest
 
 from tether_budget.domain.ledger import CallStatus, RunStatus
 from tether_contracts.records import (
+    AgentSpec,
     ApprovalDecided,
     ApprovalOutcome,
     ApprovalRequested,
     DecideApproval,
+    ModelRef,
     RunAccepted,
     RunCompleted,
     RunRejected,
@@ -18,9 +20,11 @@ from tether_contracts.records import (
     SubmitRun,
     ToolCallBudgeted,
     ToolCallCompleted,
+    ToolCallDeferred,
     ToolCallOutcomeUnknown,
     ToolCallRequested,
 )
+from tether_messaging.envelopes import derived_id
 from tether_messaging.errors import Unprocessable
 from tether_messaging.topics import COMMANDS, RUN_INTAKE
 
@@ -546,3 +550,37 @@ def test_a_cancel_while_an_approval_is_pending_reports_it_and_the_late_decision_
     assert report.pending == ["1.0 search APPROVAL_PENDING approval ap-7"]
     # The gateway only executes on an ApprovalDecided in the log; after the end there is none.
     assert h.decided("1.0", ApprovalOutcome.APPROVED, approval_id="ap-7") == []
+
+
+# -- the gateway's rate-limit deferrals and delegated scope (added with the gateway's policy) ----
+
+
+def test_a_deferred_call_is_recorded_and_the_step_waits_for_its_outcome(harness) -> None:
+    h = harness
+    h.submit()
+    h.model(1, 1)
+    h.request(1, 0)
+    c = h._call("r1", "1.0")
+    deferred = ToolCallDeferred(step=1, call_id="1.0", idem_key=c.idem_key, tool_name=c.tool_name,
+                                reason_code="RATE_LIMITED", retry_after_ms=500, not_before_ms=h.driver.now_ms + 500,
+                                attempt=1, decided_at_ms=h.driver.now_ms, policy_version="p1", inputs_hash="0" * 64)
+    assert _types(h.intake(deferred, "r1", what=("deferred", "1.0", 1), producer="tool-gateway")) == ["ToolCallDeferred"]
+    assert h.ledger().calls["1.0"].status is CallStatus.BUDGETED
+    assert _types(h.done("1.0")) == ["ToolCallCompleted", "StepGranted"]
+    # A deferral of a call that already has its outcome contradicts the log.
+    with pytest.raises(Unprocessable) as err:
+        h.intake(deferred, "r1", what=("deferred", "1.0", 2), producer="tool-gateway")
+    assert err.value.reason == "UNEXPECTED_DEFERRAL"
+
+
+def test_the_delegated_scope_of_the_submit_is_copied_into_run_accepted(harness) -> None:
+    h = harness
+    accepted = next(p for p in h.submit() if type(p).__name__ == "RunAccepted")
+    assert accepted.delegated_scope is None  # not delegated
+    cmd = SubmitRun(request_id="req-r2", principal_id="alice", goal="g",
+                    agent=AgentSpec(agent_id="a1", version=1, name="agent", instructions="i",
+                                    model=ModelRef(provider="openai", name="gpt-test"), tool_allowlist=["search"],
+                                    caps=h.caps()),
+                    tools=[h.tool("search")], caps=h.caps(), tenant_grants=["search"], delegated_scope=["search"])
+    out = h.send(COMMANDS, cmd, "r2", event_id=derived_id("r2", "SubmitRun"), producer="run-api")
+    assert next(p for p in out if type(p).__name__ == "RunAccepted").delegated_scope == ["search"]

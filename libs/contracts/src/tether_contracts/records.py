@@ -92,6 +92,7 @@ class ToolSpec(AvroRecord):
     timeout_ms: int = Field(30000, description="Execution timeout; the gateway reports a tool error past it.")
     pollable: bool = Field(False, description="True for status-polling tools, exempt from repeat detection within a poll budget.")
     egress: bool = Field(False, description="True if the tool can move data out or contact people (needs approval on a tainted run).")
+    constraints_json: str = Field('{}', description="Argument constraints the gateway checks before any decision to run (egress hosts, path prefixes, amount ceilings, recipient allowlists), as JSON text; see docs/policy.md. '{}' = none.")
 
 
 class Usage(AvroRecord):
@@ -275,6 +276,24 @@ class ToolCallCompleted(AvroRecord):
     replayed: bool = Field(False, description="True if the result came from the idempotency ledger instead of a fresh execution.")
 
 
+class ToolCallDeferred(AvroRecord):
+    """The gateway allowed a tool call but a rate limit made it wait; the call is retried at not_before_ms (not a terminal outcome)."""
+
+    AVRO_NAME: ClassVar[str] = "tether.v1.ToolCallDeferred"
+    KIND: ClassVar[str] = "events"
+    step: int = Field(description="Run-local step number: the model-call round this record belongs to, starting at 1.")
+    call_id: str = Field(description="Identifier of the tool call inside the run: '<step>.<call_index>'.")
+    idem_key: str = Field(description="H(run_id, step, call_index) as lowercase hex SHA-256; the idempotency key of the call's side effect.")
+    tool_name: str = Field(description="Tool that was asked for.")
+    reason_code: str = Field(description="Why the call waits: RATE_LIMITED.")
+    retry_after_ms: int = Field(description="The limiter's answer: how long until the call may run.")
+    not_before_ms: int = Field(description="When the gateway retries the call: decided_at_ms + retry_after_ms, ms since the epoch.")
+    attempt: int = Field(description="Which rate-limit check of the call this was, from 1.")
+    decided_at_ms: int = Field(description="The gateway's clock when it asked the limiter, ms since the epoch (a recorded decision input).")
+    policy_version: str = Field(description="Version of the policy the decision was made under (it holds the rate limit).")
+    inputs_hash: str = Field(description="SHA-256 of the canonical decision inputs, including the limiter's recorded answer.")
+
+
 class ToolCallDenied(AvroRecord):
     """The gateway refused a tool call; the refusal goes back to the model as the tool result."""
 
@@ -368,6 +387,7 @@ class SubmitRun(AvroRecord):
     tools: list[ToolSpec] = Field(description="Snapshots of the tools on the agent's allowlist that the tenant has registered.")
     caps: Caps = Field(description="Caps for this run (the agent's defaults, possibly tightened by the request).")
     tenant_grants: list[str] = Field(default_factory=lambda: [], description="Tools the tenant has granted to this principal at submit time.")
+    delegated_scope: list[str] | None = Field(None, description="Tools a delegating principal scoped this run to; capabilities = tenant grants \u2229 agent allowlist \u2229 this scope. Null = not delegated (no further restriction); an empty list allows no tool.")
 
 
 class RunAccepted(AvroRecord):
@@ -382,6 +402,7 @@ class RunAccepted(AvroRecord):
     tools: list[ToolSpec] = Field(description="Tool snapshots.")
     caps: Caps = Field(description="Caps in force.")
     tenant_grants: list[str] = Field(default_factory=lambda: [], description="Tools granted by the tenant at submit time.")
+    delegated_scope: list[str] | None = Field(None, description="Copied from SubmitRun: tools a delegating principal scoped this run to (null = not delegated). The gateway intersects it with tenant grants and the agent allowlist.")
     deadline_ms: int = Field(description="Wall-clock deadline, ms since the epoch.")
 
 
@@ -414,6 +435,7 @@ RECORD_TYPES: dict[str, type[AvroRecord]] = {
     "tether.v1.StepGranted": StepGranted,
     "tether.v1.ToolCallBudgeted": ToolCallBudgeted,
     "tether.v1.ToolCallCompleted": ToolCallCompleted,
+    "tether.v1.ToolCallDeferred": ToolCallDeferred,
     "tether.v1.ToolCallDenied": ToolCallDenied,
     "tether.v1.ToolCallFailed": ToolCallFailed,
     "tether.v1.ToolCallOutcomeUnknown": ToolCallOutcomeUnknown,

@@ -49,6 +49,7 @@ from tether_contracts.records import (
     SubmitRun,
     ToolCallBudgeted,
     ToolCallCompleted,
+    ToolCallDeferred,
     ToolCallDenied,
     ToolCallFailed,
     ToolCallOutcomeUnknown,
@@ -197,6 +198,7 @@ def admit(
         tools=submit.tools,
         caps=caps,
         tenant_grants=submit.tenant_grants,
+        delegated_scope=submit.delegated_scope,
         deadline_ms=ledger.deadline_ms,
     )
     return ledger, Plan([Decide(accepted, ("RunAccepted",))]).extend(_grant_or_stop(ledger, now_ms))
@@ -468,6 +470,14 @@ def _tool_call_outcome_unknown(ledger: Ledger, ev: ToolCallOutcomeUnknown, guard
     return Plan([APPEND])  # the step cannot finish: the run is parked until a human decides
 
 
+def _tool_call_deferred(ledger: Ledger, ev: ToolCallDeferred, guard: LoopGuard, now_ms: int) -> Plan:
+    # The gateway's rate limiter made an allowed call wait: a recorded decision, not an outcome.
+    call = _call(ledger, ev.step, ev.call_id, ev.idem_key)
+    if call.status not in _MAY_EXECUTE:
+        raise ProtocolViolation("UNEXPECTED_DEFERRAL", f"call {call.call_id} is {call.status}")
+    return Plan([APPEND])
+
+
 def _approval_requested(ledger: Ledger, ev: ApprovalRequested, guard: LoopGuard, now_ms: int) -> Plan:
     call = _call(ledger, ev.step, ev.call_id, ev.idem_key)
     if ev.args_hash != hashlib.sha256(call.args_json.encode()).hexdigest():
@@ -530,6 +540,7 @@ _ACTIVE: dict[type[AvroRecord], Callable[[Ledger, Any, LoopGuard, int], Plan]] =
     ToolCallFailed: _tool_call_outcome,
     ToolCallDenied: _tool_call_outcome,
     ToolCallOutcomeUnknown: _tool_call_outcome_unknown,
+    ToolCallDeferred: _tool_call_deferred,
     ApprovalRequested: _approval_requested,
     ApprovalDecided: _approval_decided,
     RunCompleted: _run_completed,
