@@ -23,13 +23,14 @@ PYTEST_ARGS ?=
 # `make run` hands over to this script once it exists (the agent demo run).
 RUN_DEMO ?= $(ROOT)/deploy/local/run-demo
 
-.PHONY: help setup up down status test run generate
+.PHONY: help setup up down services-down status test run generate
 
 help:
 	@echo "make run       set up, start the local stack, run the demo"
 	@echo "make test      set up, start the local stack, run every test (PYTEST_ARGS=... to narrow)"
 	@echo "make up        start Kafka, PostgreSQL and Redis on 127.0.0.1 (no-op when running)"
-	@echo "make down      stop what 'make up' started"
+	@echo "make down      stop the services 'make run' left running, then what 'make up' started"
+	@echo "make services-down  stop only the Tether services 'make run' started (TETHER_DEMO_KEEP=1)"
 	@echo "make status    show the stack's processes, addresses, data and logs"
 	@echo "make setup     install what is missing (Debian packages, uv, .venv, Kafka jars)"
 	@echo "make generate  regenerate code derived from schemas/ and proto/"
@@ -40,8 +41,14 @@ setup:
 up: setup
 	@$(STACK) up
 
-down:
+down: services-down
 	@$(STACK) down
+
+# The demo records the PIDs it started under $(TETHER_STATE_DIR)/demo*/processes.json.
+services-down:
+	@if [ -x "$(VENV)/bin/python" ] && compgen -G '$(TETHER_STATE_DIR)/demo*/processes.json' >/dev/null; then \
+	  cd $(ROOT) && $(VENV)/bin/python -m tether_testing.system stop $(TETHER_STATE_DIR)/demo*; \
+	fi
 
 status:
 	@$(STACK) status

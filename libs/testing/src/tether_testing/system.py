@@ -64,8 +64,8 @@ SERVICES: dict[str, tuple[str, str]] = {
     "approval": ("tether_approval", "TETHER_APPROVAL_"),
     "projector": ("tether_projector", "TETHER_PROJECTOR_"),
 }
-#: Services that keep a changelog topic (the exactly-once processors).
-CHANGELOG_SERVICES = ("budget", "planner", "tool-gateway", "approval")
+#: Services on the shared loop, each with a changelog topic (the projector's stays empty).
+CHANGELOG_SERVICES = ("budget", "planner", "tool-gateway", "approval", "projector")
 SINKS = ("http", "smtp", "kv")
 MODEL = "model"
 SCRIPTED_MODEL_NAME = "tether-scripted"
@@ -207,6 +207,28 @@ class ApiClient:
                 yield response.event
         finally:
             stream.cancel()
+
+    def follow(self, run_id: str, from_seq: int = 1, *, max_reconnects: int = 20
+               ) -> Iterator[run_service_pb2.RunEvent]:
+        """Every event from `from_seq` up to the terminal one, each exactly once, reconnecting from
+        the next seq when the stream breaks (as `tether watch` does)."""
+        next_seq, failures = from_seq, 0
+        while True:
+            try:
+                for event in self.events(run_id, next_seq):
+                    if event.seq < next_seq:
+                        continue  # never hand out an event twice, whatever the server sends
+                    next_seq, failures = event.seq + 1, 0
+                    yield event
+                    if event.terminal:
+                        return
+                return  # the server ended the stream without a terminal event
+            except grpc.RpcError as err:
+                failures += 1
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                        or failures > max_reconnects:
+                    raise
+                time.sleep(min(5.0, 0.2 * 2 ** min(failures, 5)))
 
     def decide(self, approval_id: str, args_hash: str, *, approve: bool, comment: str = ""
                ) -> approval_service_pb2.DecideApprovalResponse:
@@ -531,8 +553,7 @@ class TetherSystem:
         elif name == "projector":
             env |= {
                 "TETHER_PROJECTOR_READ_MODEL_SCHEMA": names.read_model_schema,
-                "TETHER_PROJECTOR_BLOB_SCHEMA": names.blob_schema,
-                "TETHER_PROJECTOR_LIVE_KEY_PREFIX": names.live_key_prefix,
+                "TETHER_PROJECTOR_REDIS_KEY_PREFIX": names.live_key_prefix,
             }
         env |= dict(cfg.extra_env.get(name, {}))
         return env
@@ -608,12 +629,12 @@ def drop_namespace(names: Names, *, kafka_bootstrap: str, pg_dsn: str, redis_url
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m tether_testing.system stop STATE_DIR`: stop what a TetherSystem recorded there."""
+    """`python -m tether_testing.system stop STATE_DIR...`: stop what TetherSystems recorded there."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or args[0] != "stop":
-        print("usage: python -m tether_testing.system stop STATE_DIR", file=sys.stderr)
+    if len(args) < 2 or args[0] != "stop":
+        print("usage: python -m tether_testing.system stop STATE_DIR...", file=sys.stderr)
         return 2
-    stopped = stop_recorded(Path(args[1]))
+    stopped = [name for state_dir in args[1:] for name in stop_recorded(Path(state_dir))]
     print(f"stopped {', '.join(stopped)}" if stopped else "no Tether services were running")
     return 0
 
