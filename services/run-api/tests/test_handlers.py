@@ -127,6 +127,22 @@ def test_a_lost_ack_is_retried_with_the_identical_record(world: World) -> None:
     assert world.ledger.get("acme", "req-1").delivered
 
 
+def test_a_submit_whose_ack_never_came_is_redelivered_identically(world: World) -> None:
+    world.publisher.fail_next = 1
+    with pytest.raises(CommandNotDelivered):
+        world.submit("req-1")
+    assert handlers.redeliver_submissions(ledger=world.ledger, publisher=world.publisher, now_ms=world.now + 10,
+                                          grace_ms=30) == 0  # too young: its caller may still be retrying
+    assert handlers.redeliver_submissions(ledger=world.ledger, publisher=world.publisher, now_ms=world.now + 31,
+                                          grace_ms=30) == 1
+    [(env, partition)] = world.publisher.published
+    row = world.ledger.get("acme", "req-1")
+    assert row.delivered and env.run_id == row.run_id and partition == row.partition
+    assert env.event_id == derived_id(row.run_id, "SubmitRun")
+    assert handlers.redeliver_submissions(ledger=world.ledger, publisher=world.publisher, now_ms=world.now + 99,
+                                          grace_ms=30) == 0
+
+
 def test_unknown_agent_and_other_tenants_agent_are_not_found(world: World) -> None:
     with pytest.raises(AgentNotFound):
         world.submit(agent_id="nobody")

@@ -142,3 +142,5 @@ def test_submit_ledger_claims_once_per_tenant_and_request(store) -> None:
     store.claim(sub("t", "r3", "RUN4"))
     assert [s.run_id for s in store.list_runs("t", None, 10)] == ["RUN5", "RUN4", "RUN1"]
     assert [s.run_id for s in store.list_runs("t", "RUN5", 1)] == ["RUN4"]
+    assert {s.run_id for s in store.undelivered(6, 10)} == {"RUN3", "RUN5", "RUN4"}  # RUN1 was delivered
+    assert store.undelivered(5, 10) == []  # created at 5: not before 5

@@ -305,6 +305,22 @@ def submit_run(
     return existing
 
 
+def redeliver_submissions(*, ledger: SubmitLedger, publisher: CommandPublisher, now_ms: int, grace_ms: int,
+                          limit: int = 100) -> int:
+    """Produce the commands of submissions whose acknowledgement never came (the caller gave up
+    or the process died between ledger row and ack), so a recorded run is never left unsent.
+
+    The very same record is produced (same event id), so a copy that did reach Kafka is dropped
+    by the sequencer. Returns how many were delivered now.
+    """
+    delivered = 0
+    for sub in ledger.undelivered(now_ms - grace_ms, limit):
+        publisher.publish(decode_envelope(sub.envelope), sub.partition)
+        ledger.mark_delivered(sub.tenant_id, sub.request_id)
+        delivered += 1
+    return delivered
+
+
 def _visible_run(tenant: str, run_id: str, read_model: ReadModel, ledger: SubmitLedger) -> RunView:
     violations = check_run_id(run_id)
     if violations:

@@ -107,6 +107,10 @@ class SubmitLedger(Protocol):
         """The tenant's submissions with run_id < before_run_id, newest first (run ids sort by time)."""
         ...
 
+    def undelivered(self, created_before_ms: int, limit: int) -> list[Submission]:
+        """Submissions (any tenant) created before the given time whose command Kafka never acknowledged."""
+        ...
+
 
 class CommandPublisher(Protocol):
     """Produces commands to tether.commands.v1."""

@@ -36,6 +36,10 @@ class RunApiSettings(ServiceSettings):
     stream_block_ms: int = Field(1000, ge=10, description="Longest wait on the live feed before polling the read model.")
     stream_gap_wait_s: float = Field(5.0, gt=0, description="How long a seq seen live may be missing from the read model.")
     delivery_timeout_ms: int = Field(10_000, ge=1000, description="How long a command may wait for Kafka's ack.")
+    redeliver_after_s: float = Field(
+        30.0, gt=0, description="Age after which an unacknowledged submit is produced again by the sweeper."
+    )
+    redeliver_interval_s: float = Field(5.0, gt=0, description="How often the sweeper looks for them.")
     forbid_self_approval: bool = Field(
         True, description="Refuse an approval by the run's own submitter (as the approval service does)."
     )

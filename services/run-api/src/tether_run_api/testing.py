@@ -168,6 +168,11 @@ class FakeLedger:
             rows = [s for s in rows if s.run_id < before_run_id]
         return rows[:limit]
 
+    def undelivered(self, created_before_ms: int, limit: int) -> list[Submission]:
+        rows = sorted((s for s in self.rows.values() if not s.delivered and s.created_at_ms < created_before_ms),
+                      key=lambda s: s.created_at_ms)
+        return rows[:limit]
+
 
 class FakePublisher:
     """CommandPublisher that records (envelope, partition); `fail_next` makes the next publishes fail."""

@@ -118,6 +118,7 @@ CREATE TABLE IF NOT EXISTS {s}.submissions (
     PRIMARY KEY (tenant_id, request_id)
 );
 CREATE INDEX IF NOT EXISTS submissions_tenant_run ON {s}.submissions (tenant_id, run_id DESC);
+CREATE INDEX IF NOT EXISTS submissions_undelivered ON {s}.submissions (created_at_ms) WHERE delivered_at IS NULL;
 """
 
 
@@ -600,4 +601,13 @@ class PostgresStore:
                 "SELECT * FROM {s}.submissions WHERE tenant_id = %s AND run_id < %s ORDER BY run_id DESC LIMIT %s",
                 (tenant_id, before_run_id, limit),
             )
+        return [_submission(r) for r in rows]
+
+    @unavailable_as_error
+    def undelivered(self, created_before_ms: int, limit: int) -> list[Submission]:
+        rows = self._all(
+            "SELECT * FROM {s}.submissions WHERE delivered_at IS NULL AND created_at_ms < %s "
+            "ORDER BY created_at_ms LIMIT %s",
+            (created_before_ms, limit),
+        )
         return [_submission(r) for r in rows]
