@@ -271,7 +271,7 @@ class _TickCtx(_Ctx):
         raise ContextMisuse("start work from the tick context via for_partition(p)")
 
     def owned_partitions(self) -> Sequence[int]:
-        return sorted(self._loop._owned)
+        return sorted(set(self._loop._owned) - self._loop._to_restore)
 
     def runs_with_state(self, partition: int) -> Sequence[str]:
         runs = dict.fromkeys(self._loop._states.get(partition, {}))
@@ -284,7 +284,7 @@ class _TickCtx(_Ctx):
         return list(runs)
 
     def for_partition(self, partition: int) -> _Ctx:
-        if partition not in self._loop._owned:
+        if partition not in self._loop._owned or partition in self._loop._to_restore:
             raise ContextMisuse(f"partition {partition} is not owned by this instance")
         return _Ctx(self._loop, self._batch, self._unit, partition, None, None)
 
@@ -329,6 +329,7 @@ class ProcessorLoop:
         self._redeliver: list[_Finished] = []
         self._buffer: list[Message] = []
         self._next_tick = 0.0
+        self._to_restore: set[int] = set()
 
         self._consumer: Consumer | None = None
         self._producer: Producer | None = None
@@ -440,12 +441,28 @@ class ProcessorLoop:
 
     # -- rebalance callbacks (run inside consumer.poll/consume, never with a txn open) -------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Restoring takes I/O that may fail transiently; errors raised inside a librdkafka
+        # callback surface badly, so the new partitions stay paused until the loop thread
+        # has restored them (`_restore_pending`).
         new = sorted({tp.partition for tp in partitions} - set(self._owned))
         for tp in partitions:
             self._owned.setdefault(tp.partition, set()).add(tp.topic)
-        if new:
-            self._restore(new)
-        self._log.info("partitions_assigned", partitions=sorted(self._owned), restored=new)
+        consumer.assign(partitions)
+        paused = [tp for tp in partitions if tp.partition in new]
+        if paused:
+            consumer.pause(paused)
+        self._to_restore.update(new)
+        self._log.info("partitions_assigned", partitions=sorted(self._owned), to_restore=new)
+        if not self._to_restore:
+            self._ready.set()
+
+    def _restore_pending(self) -> None:
+        partitions = sorted(self._to_restore)
+        self._restore(partitions)
+        self._to_restore.clear()
+        self._consumer.resume(
+            [TopicPartition(topic, p) for p in partitions for topic in self._owned.get(p, ())]
+        )
         self._ready.set()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -458,6 +475,7 @@ class ProcessorLoop:
         """Forget everything about partitions another instance now owns: it replays from
         the committed offset with the committed states."""
         gone = set(partitions)
+        self._to_restore -= gone
         self._buffer = [m for m in self._buffer if m.partition() not in gone]
         self._redeliver = [f for f in self._redeliver if self._work_partition(f) not in gone]
         for p in gone:
@@ -488,7 +506,7 @@ class ProcessorLoop:
         for p in partitions:
             self._states[p] = {}
             self._meta_has_holds[p] = False
-            low, high = restorer.get_watermark_offsets(TopicPartition(self._changelog, p), timeout=10)
+            low, high = self._watermarks(TopicPartition(self._changelog, p))
             if high > low:
                 pending.add(p)
                 assign.append(TopicPartition(self._changelog, p, low))
@@ -505,8 +523,11 @@ class ProcessorLoop:
                 if msg.error():
                     if msg.error().code() == KafkaError._PARTITION_EOF:
                         pending.discard(msg.partition())
-                        continue
-                    raise FatalLoopError(f"restoring {self._changelog}: {msg.error().str()}")
+                    elif msg.error().fatal():
+                        raise FatalLoopError(f"restoring {self._changelog}: {msg.error().str()}")
+                    else:  # leader moves and the like: the client retries by itself
+                        self._log.info("restore_transient_error", error=msg.error().str())
+                    continue
                 records += 1
                 p, key, value = msg.partition(), msg.key(), msg.value()
                 if key == LOOP_META_KEY:
@@ -523,6 +544,19 @@ class ProcessorLoop:
         self._log.info("states_restored", partitions=list(partitions), records=records,
                        runs=sum(len(self._states[p]) for p in partitions))
 
+    def _watermarks(self, tp: TopicPartition) -> tuple[int, int]:
+        deadline = time.monotonic() + self.config.restore_timeout_s
+        while True:
+            try:
+                return self._restorer.get_watermark_offsets(tp, timeout=5)
+            except KafkaException as exc:
+                err = exc.args[0]
+                # A just-created topic may not have a leader yet.
+                if err.fatal() or time.monotonic() > deadline:
+                    raise RestoreTimeout(f"watermarks of {tp.topic}[{tp.partition}]: {err.str()}") from exc
+                self._log.info("restore_transient_error", error=err.str())
+                time.sleep(0.2)
+
     def _restore_meta(self, p: int, value: bytes | None) -> None:
         meta = json.loads(value) if value else {}
         has_holds = False
@@ -538,7 +572,13 @@ class ProcessorLoop:
         consumer = self._consumer
         cfg = self.config
         self._buffer = []
-        while not stop.is_set() and not self._buffer and not self._redeliver and self._finished.empty():
+        while (
+            not stop.is_set()
+            and not self._buffer
+            and not self._redeliver
+            and not self._to_restore
+            and self._finished.empty()
+        ):
             if time.monotonic() >= self._next_tick:
                 break
             msg = consumer.poll(0.05)
@@ -573,6 +613,8 @@ class ProcessorLoop:
                 return out
 
     def _run_batch(self, stop: threading.Event) -> None:
+        if self._to_restore:
+            self._restore_pending()
         msgs = self._collect(stop)
         finished = [f for f in self._take_finished() if self._is_current(f)]
         tick_due = time.monotonic() >= self._next_tick and bool(self._owned)
@@ -894,18 +936,23 @@ class ProcessorLoop:
                 LAG.labels(self._name, tp[0], str(tp[1])).set(max(0, high - nxt))
 
     def _shutdown(self) -> None:
+        # Runs in a finally: nothing here may replace the error that ended the loop.
+        steps: list[tuple[str, Callable[[], Any]]] = []
         if self._consumer is not None:
-            try:
-                self._consumer.close()  # leaves the group: partitions move now, not after a timeout
-            except Exception as exc:  # already closed by a fatal error path
-                self._log.warning("consumer_close_failed", error=_describe(exc))
+            # Leaving the group moves the partitions now, not after the session timeout.
+            steps.append(("consumer_close", self._consumer.close))
         if self._restorer is not None:
-            self._restorer.close()
+            steps.append(("restorer_close", self._restorer.close))
         if self._producer is not None:
-            self._producer.flush(10)
+            steps.append(("producer_flush", lambda: self._producer.flush(10)))
         if self._pool is not None:
             # Unfinished work is not waited for: its inputs are held, so the next owner replays them.
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            steps.append(("pool_shutdown", lambda: self._pool.shutdown(wait=False, cancel_futures=True)))
+        for what, step in steps:
+            try:
+                step()
+            except Exception as exc:
+                self._log.warning("shutdown_step_failed", step=what, error=_describe(exc))
         self._log.info("loop_stopped")
 
 
