@@ -27,12 +27,14 @@ from tether_api.v1 import (
     types_pb2 as types_pb,
 )
 from tether_contracts.records import CancelRun, DecideApproval, SubmitRun
-from tether_messaging.envelopes import derived_id
+from tether_messaging.envelopes import derived_id, make_envelope
 from tether_messaging.partitioner import partition_for
-from tether_messaging.serde import decode_envelope, fingerprint_hex, open_payload
+from tether_messaging.serde import decode_envelope, encode, fingerprint_hex, open_payload
 from tether_run_api import admin
 from tether_run_api.adapters.live import stream_key
 from tether_run_api.api.status import error_info
+from tether_run_api.domain.runs import new_run_id
+from tether_run_api.domain.views import Submission
 from tether_run_api.domain.auth import ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER, hash_api_key
 from tether_testing.processes import free_port
 
@@ -383,15 +385,28 @@ def test_cancel_and_decide_produce_commands_to_the_runs_partition(stack) -> None
     assert open_payload(decode_envelope(msgs[2].value())).reason == "enough"
 
 
+def _orphan_submission(stack, tenant_id: str) -> Submission:
+    """A ledger row whose command never reached Kafka (its replica died before the ack)."""
+    run_id = new_run_id(1_000, uuid.uuid4().bytes[:10])
+    envelope = make_envelope(CancelRun(principal_id="alice", reason="stand-in payload"), run_id=run_id,
+                             tenant_id=tenant_id, event_id=derived_id(run_id, "SubmitRun"), producer="run-api",
+                             recorded_at_ms=1_000)
+    return stack.app.store.claim(Submission(
+        tenant_id=tenant_id, request_id=f"orphan-{run_id}", request_hash="h", run_id=run_id, principal_id="alice",
+        agent_id="helper", agent_version=1, goal="g", partition=partition_for(tenant_id, run_id, 3, 1),
+        envelope=encode(envelope), created_at_ms=1_000))
+
+
 def test_the_service_process_serves_grpc_health_and_metrics(stack, service_processes) -> None:
     s = stack.settings
+    orphan = _orphan_submission(stack, tenant(stack)[0])
     grpc_port, http_port = free_port(), free_port()
     env = {
         "TETHER_KAFKA_BOOTSTRAP": s.kafka_bootstrap, "TETHER_PG_DSN": s.pg_dsn, "TETHER_REDIS_URL": s.redis_url,
         "TETHER_PARTITIONS": str(s.partitions), "TETHER_TOPIC_PREFIX": s.topic_prefix,
         "TETHER_RUN_API_PG_SCHEMA": s.pg_schema, "TETHER_RUN_API_READ_MODEL_SCHEMA": s.read_model_schema,
         "TETHER_RUN_API_PORT": str(grpc_port), "TETHER_RUN_API_METRICS_PORT": str(http_port),
-        "TETHER_RUN_API_GRPC_WORKERS": "8",
+        "TETHER_RUN_API_GRPC_WORKERS": "8", "TETHER_RUN_API_REDELIVER_INTERVAL_S": "0.2",
     }
     proc = service_processes.start("tether_run_api", health_port=http_port, env=env)
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
@@ -405,6 +420,13 @@ def test_the_service_process_serves_grpc_health_and_metrics(stack, service_proce
                                                      timeout=10)
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
         assert 'tether_run_api_rpcs_total{code="NOT_FOUND",method="GetRun"} 1.0' in metrics
+        # The sweeper produced the orphaned submit, byte for byte as recorded.
+        [msg] = records_for(stack, orphan.run_id, orphan.partition, expect=1)
+        assert msg.value() == orphan.envelope
+        deadline = time.monotonic() + 30
+        while not stack.app.store.get(orphan.tenant_id, orphan.request_id).delivered:
+            assert time.monotonic() < deadline, "the sweeper never marked the orphan delivered"
+            time.sleep(0.1)
     finally:
         channel.close()
     proc.stop()
