@@ -208,14 +208,17 @@ class ApiClient:
         finally:
             stream.cancel()
 
-    def follow(self, run_id: str, from_seq: int = 1, *, max_reconnects: int = 20
+    def follow(self, run_id: str, from_seq: int = 1, *, timeout_s: float | None = None, max_reconnects: int = 20
                ) -> Iterator[run_service_pb2.RunEvent]:
         """Every event from `from_seq` up to the terminal one, each exactly once, reconnecting from
-        the next seq when the stream breaks (as `tether watch` does)."""
+        the next seq when the stream breaks (as `tether watch` does). With `timeout_s`, the whole
+        follow ends with DEADLINE_EXCEEDED after that long."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         next_seq, failures = from_seq, 0
         while True:
+            left = None if deadline is None else max(0.001, deadline - time.monotonic())
             try:
-                for event in self.events(run_id, next_seq):
+                for event in self.events(run_id, next_seq, timeout_s=left):
                     if event.seq < next_seq:
                         continue  # never hand out an event twice, whatever the server sends
                     next_seq, failures = event.seq + 1, 0
@@ -225,8 +228,9 @@ class ApiClient:
                 return  # the server ended the stream without a terminal event
             except grpc.RpcError as err:
                 failures += 1
-                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                        or failures > max_reconnects:
+                expired = deadline is not None and time.monotonic() >= deadline
+                if expired or failures > max_reconnects or err.code() not in (
+                        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 time.sleep(min(5.0, 0.2 * 2 ** min(failures, 5)))
 
