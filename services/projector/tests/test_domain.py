@@ -348,21 +348,29 @@ def test_merged_batches_write_the_same_rows_as_single_events(seed: int) -> None:
 
 # -- rows and live values -------------------------------------------------------------------------
 def test_merge_composes_partial_upserts_in_order() -> None:
-    a = Upsert("tool_calls", ("r", "1.0"), {"status": "REQUESTED", "tool_name": "x", "step": 1})
-    b = Upsert("tool_calls", ("r", "1.0"), {"status": "BUDGETED"})
-    c = Upsert("events", ("r", 1), {"event_id": "e1"}, only_insert=True)
-    d = Upsert("events", ("r", 1), {"event_id": "e2"}, only_insert=True)
+    a = Upsert("tool_calls", ("r", "1.0"), {"tenant_id": "t", "status": "REQUESTED", "tool_name": "x", "step": 1})
+    b = Upsert("tool_calls", ("r", "1.0"), {"tenant_id": "t", "status": "BUDGETED", "step": 1})
+    event = {"tenant_id": "t", "event_type": "x", "recorded_at_ms": 1, "producer": "budget", "payload": Json({}),
+             "hash": "h", "prev_hash": "p"}
+    c = Upsert("events", ("r", 1), {**event, "event_id": "e1"}, only_insert=True)
+    d = Upsert("events", ("r", 1), {**event, "event_id": "e2"}, only_insert=True)
     merged = merge([a, c, b, d])
     assert merged == [
-        Upsert("tool_calls", ("r", "1.0"), {"status": "BUDGETED", "tool_name": "x", "step": 1}),
-        Upsert("events", ("r", 1), {"event_id": "e1"}, only_insert=True),
+        Upsert("tool_calls", ("r", "1.0"), {"tenant_id": "t", "status": "BUDGETED", "tool_name": "x", "step": 1}),
+        Upsert("events", ("r", 1), {**event, "event_id": "e1"}, only_insert=True),
     ]
     with pytest.raises(ValueError):
-        merge([c, Upsert("events", ("r", 1), {"event_id": "e3"})])
-    with pytest.raises(ValueError):
+        merge([c, Upsert("events", ("r", 1), {**event, "event_id": "e3"})])
+
+
+def test_malformed_writes_are_refused() -> None:
+    with pytest.raises(ValueError, match="unknown read-model table"):
         Upsert("nope", ("r",), {})
-    with pytest.raises(ValueError):
-        Upsert("events", ("r",), {})
+    with pytest.raises(ValueError, match="key needs"):
+        Upsert("steps", ("r",), {"tenant_id": "t"})
+    # PostgreSQL checks NOT NULL before ON CONFLICT turns an insert into an update.
+    with pytest.raises(ValueError, match="tenant_id"):
+        Upsert("approvals", ("a1",), {"status": "WITHDRAWN"})
 
 
 def test_call_index_from_call_id() -> None:

@@ -243,7 +243,8 @@ def _withdraw_approvals(fold: RunFold, env: Envelope, call_id: str | None = None
             Upsert(
                 "approvals",
                 (approval_id,),
-                {"status": ApprovalStatus.WITHDRAWN, "withdrawn_at_ms": env.recorded_at_ms},
+                {"tenant_id": fold.tenant_id, "run_id": fold.run_id, "status": ApprovalStatus.WITHDRAWN,
+                 "withdrawn_at_ms": env.recorded_at_ms},
             )
         )
     return writes
@@ -264,7 +265,8 @@ def _close_step_if_done(fold: RunFold, env: Envelope, step: int) -> list[Upsert]
 
 def _report_lines(fold: RunFold) -> tuple[list[str], list[str]]:
     done, pending = [], []
-    for call_id, call in fold.calls.items():
+    # Sorted, not dict order: the fold's calls come back from jsonb in jsonb's key order.
+    for call_id, call in sorted(fold.calls.items(), key=lambda kv: (kv[1].step, call_index_of(kv[0]) or 0, kv[0])):
         line = f"{call_id} {call.tool_name} {call.status}"
         (done if call.status in CallStatus.TERMINAL else pending).append(line)
     return done, pending

@@ -15,6 +15,16 @@ TABLE_KEYS: dict[str, tuple[str, ...]] = {
     "approvals": ("approval_id",),
 }
 
+#: Columns every write of a table must carry besides the key: PostgreSQL checks NOT NULL on the
+#: proposed row before ON CONFLICT resolves to an update, so even a partial upsert needs them.
+REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
+    "runs": ("tenant_id", "status", "created_at_ms", "updated_at_ms", "last_seq", "last_hash", "state"),
+    "events": ("tenant_id", "event_id", "event_type", "recorded_at_ms", "producer", "payload", "hash", "prev_hash"),
+    "steps": ("tenant_id",),
+    "tool_calls": ("tenant_id", "step"),
+    "approvals": ("tenant_id",),
+}
+
 
 @dataclass(frozen=True)
 class Json:
@@ -42,6 +52,9 @@ class Upsert:
             raise ValueError(f"unknown read-model table {self.table!r}")
         if len(self.key) != len(TABLE_KEYS[self.table]):
             raise ValueError(f"{self.table} key needs {TABLE_KEYS[self.table]}, got {self.key!r}")
+        missing = [c for c in REQUIRED_COLUMNS[self.table] if c not in self.values]
+        if missing:
+            raise ValueError(f"{self.table} write lacks required columns {missing}")
 
     def row(self) -> dict[str, Any]:
         """Key columns and values as one mapping."""
