@@ -134,6 +134,16 @@ def test_tool_schema_must_be_a_valid_json_schema_for_an_object() -> None:
         assert any(why in v.description for v in err.value.violations), (bad, err.value.violations)
 
 
+def test_tool_constraints_are_a_canonical_json_object() -> None:
+    assert validate_tool(tool_draft(), LIMITS).constraints_json == "{}"
+    spec = validate_tool(tool_draft(constraints_json='{"rules": [{"kind": "egress", "arg": "/url", "hosts": ["a"]}]}'),
+                         LIMITS)
+    assert spec.constraints_json == '{"rules":[{"arg":"/url","hosts":["a"],"kind":"egress"}]}'
+    with pytest.raises(InvalidArgument) as err:
+        validate_tool(tool_draft(constraints_json="[]"), LIMITS)
+    assert fields(err.value) == {"tool.constraints_json"}
+
+
 def test_tool_needs_risk_class_and_known_executor() -> None:
     with pytest.raises(InvalidArgument) as err:
         validate_tool(tool_draft(risk_class="", executor_kind="shell", executor_config_json="[]"), LIMITS)
@@ -188,6 +198,21 @@ def test_snapshot_carries_allowlisted_enabled_tools_in_order_and_grants() -> Non
     assert [(t.name, t.version) for t in cmd.tools] == [("web_search", 1), ("send_email", 2)]
     assert cmd.tenant_grants == ["send_email", "web_search"]
     assert cmd.caps.max_steps == 2 and cmd.principal_id == "alice" and cmd.request_id == "r"
+
+
+def test_delegated_scope_is_passed_on_and_validated() -> None:
+    principal = Principal("t1", "alice", frozenset({ROLE_MEMBER}))
+    scoped = build_submit(principal, SubmitRequest("r", "helper", "g", delegated_scope=("b", "a", "b")), _agent(), [],
+                          [])
+    assert scoped.delegated_scope == ["a", "b"]
+    assert build_submit(principal, SubmitRequest("r", "helper", "g"), _agent(), [], []).delegated_scope is None
+    assert build_submit(principal, SubmitRequest("r", "helper", "g", delegated_scope=()), _agent(), [],
+                        []).delegated_scope == []
+    with pytest.raises(InvalidArgument) as err:
+        validate_submit(SubmitRequest("r", "helper", "g", delegated_scope=("ok", "Not OK")), RunLimits())
+    assert fields(err.value) == {"delegated_scope.tools[1]"}
+    assert request_fingerprint(SubmitRequest("r", "a", "g")) != \
+        request_fingerprint(SubmitRequest("r", "a", "g", delegated_scope=()))
 
 
 def test_fingerprint_distinguishes_requests() -> None:

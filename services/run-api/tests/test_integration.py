@@ -66,7 +66,8 @@ def with_demo(stack) -> tuple[str, str]:
         name="lookup", description="Look something up.",
         args_schema_json=json.dumps({"type": "object", "properties": {"q": {"type": "string"}}}),
         risk_class=types_pb.RISK_CLASS_READ_ONLY, executor_kind="builtin", idempotent=True,
-        executor_config_json='{"builtin": "kv_get"}')), metadata=md(key))
+        executor_config_json='{"builtin": "kv_get"}',
+        constraints_json='{"rules": [{"kind": "max_amount", "arg": "/q", "max": 5}]}')), metadata=md(key))
     admin.grant_tools(stack.app.store, tenant_id, "*", ["lookup"])
     agents_grpc.AgentServiceStub(stack.channel).CreateAgent(agents_pb.CreateAgentRequest(agent=agents_pb.Agent(
         agent_id="helper", display_name="Helper", instructions="Help.",
@@ -119,7 +120,8 @@ def test_submit_produces_the_command_and_is_idempotent(stack) -> None:
     tenant_id, key = with_demo(stack)
     runs = runs_grpc.RunServiceStub(stack.channel)
     req = runs_pb.SubmitRunRequest(request_id=str(uuid.uuid4()), agent_id="helper", goal="Find the answer.",
-                                   caps=types_pb.Caps(max_steps=2))
+                                   caps=types_pb.Caps(max_steps=2),
+                                   delegated_scope=runs_pb.DelegatedScope(tools=["lookup"]))
     first = runs.SubmitRun(req, metadata=md(key))
     again = runs.SubmitRun(req, metadata=md(key))
     assert again.run_id == first.run_id and first.agent_version == 1
@@ -138,6 +140,8 @@ def test_submit_produces_the_command_and_is_idempotent(stack) -> None:
     assert cmd.goal == "Find the answer." and cmd.principal_id == "alice" and cmd.caps.max_steps == 2
     assert [t.name for t in cmd.tools] == ["lookup"] and cmd.tenant_grants == ["lookup"]
     assert cmd.agent.tool_allowlist == ["lookup", "missing"] and cmd.agent.version == 1
+    assert cmd.delegated_scope == ["lookup"]
+    assert cmd.tools[0].constraints_json == '{"rules":[{"arg":"/q","kind":"max_amount","max":5}]}'
     with pytest.raises(grpc.RpcError) as err:
         runs.SubmitRun(runs_pb.SubmitRunRequest(request_id=req.request_id, agent_id="helper", goal="Other."),
                        metadata=md(key))

@@ -62,18 +62,26 @@ class Run(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_version: _Optional[int] = ..., status: _Optional[_Union[RunStatus, str]] = ..., goal: _Optional[str] = ..., principal_id: _Optional[str] = ..., answer: _Optional[str] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., steps: _Optional[int] = ..., termination: _Optional[_Union[_types_pb2.TerminationReport, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
-    __slots__ = ("request_id", "agent_id", "agent_version", "goal", "caps")
+    __slots__ = ("request_id", "agent_id", "agent_version", "goal", "caps", "delegated_scope")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     GOAL_FIELD_NUMBER: _ClassVar[int]
     CAPS_FIELD_NUMBER: _ClassVar[int]
+    DELEGATED_SCOPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     agent_id: str
     agent_version: int
     goal: str
     caps: _types_pb2.Caps
-    def __init__(self, request_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_version: _Optional[int] = ..., goal: _Optional[str] = ..., caps: _Optional[_Union[_types_pb2.Caps, _Mapping]] = ...) -> None: ...
+    delegated_scope: DelegatedScope
+    def __init__(self, request_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_version: _Optional[int] = ..., goal: _Optional[str] = ..., caps: _Optional[_Union[_types_pb2.Caps, _Mapping]] = ..., delegated_scope: _Optional[_Union[DelegatedScope, _Mapping]] = ...) -> None: ...
+
+class DelegatedScope(_message.Message):
+    __slots__ = ("tools",)
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    tools: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tools: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubmitRunResponse(_message.Message):
     __slots__ = ("run_id", "agent_version")

@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tether_api.v1 import types_pb2 as tether_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctether/v1/tool_service.proto\x12\ttether.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15tether/v1/types.proto\"\xa4\x03\n\x04Tool\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x15\n\x07version\x18\x02 \x01(\x05\x42\x04\xe2\x41\x01\x03\x12\x19\n\x0b\x64\x65scription\x18\x03 \x01(\tB\x04\xe2\x41\x01\x02\x12\x1e\n\x10\x61rgs_schema_json\x18\x04 \x01(\tB\x04\xe2\x41\x01\x02\x12.\n\nrisk_class\x18\x05 \x01(\x0e\x32\x14.tether.v1.RiskClassB\x04\xe2\x41\x01\x02\x12\x12\n\nidempotent\x18\x06 \x01(\x08\x12\x18\n\x10untrusted_source\x18\x07 \x01(\x08\x12\x1b\n\rexecutor_kind\x18\x08 \x01(\tB\x04\xe2\x41\x01\x02\x12\x1c\n\x14\x65xecutor_config_json\x18\t \x01(\t\x12\x12\n\ntimeout_ms\x18\n \x01(\x05\x12\x10\n\x08pollable\x18\x0b \x01(\x08\x12\x0e\n\x06\x65gress\x18\x0c \x01(\x08\x12\x16\n\x08\x64isabled\x18\r \x01(\x08\x42\x04\xe2\x41\x01\x03\x12\x35\n\x0b\x63reate_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x18\n\ncreated_by\x18\x0f \x01(\tB\x04\xe2\x41\x01\x03\"N\n\x13RegisterToolRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x04tool\x18\x02 \x01(\x0b\x32\x0f.tether.v1.ToolB\x04\xe2\x41\x01\x02\"5\n\x14RegisterToolResponse\x12\x1d\n\x04tool\x18\x01 \x01(\x0b\x32\x0f.tether.v1.Tool\"5\n\x0eGetToolRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x0f\n\x07version\x18\x02 \x01(\x05\"0\n\x0fGetToolResponse\x12\x1d\n\x04tool\x18\x01 \x01(\x0b\x32\x0f.tether.v1.Tool\"P\n\x10ListToolsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x15\n\rshow_disabled\x18\x03 \x01(\x08\"L\n\x11ListToolsResponse\x12\x1e\n\x05tools\x18\x01 \x03(\x0b\x32\x0f.tether.v1.Tool\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"9\n\x12\x44isableToolRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x0f\n\x07version\x18\x02 \x01(\x05\"0\n\x13\x44isableToolResponse\x12\x19\n\x11\x64isabled_versions\x18\x01 \x03(\x05\x32\xb6\x02\n\x0bToolService\x12O\n\x0cRegisterTool\x12\x1e.tether.v1.RegisterToolRequest\x1a\x1f.tether.v1.RegisterToolResponse\x12@\n\x07GetTool\x12\x19.tether.v1.GetToolRequest\x1a\x1a.tether.v1.GetToolResponse\x12\x46\n\tListTools\x12\x1b.tether.v1.ListToolsRequest\x1a\x1c.tether.v1.ListToolsResponse\x12L\n\x0b\x44isableTool\x12\x1d.tether.v1.DisableToolRequest\x1a\x1e.tether.v1.DisableToolResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctether/v1/tool_service.proto\x12\ttether.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15tether/v1/types.proto\"\xbe\x03\n\x04Tool\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x15\n\x07version\x18\x02 \x01(\x05\x42\x04\xe2\x41\x01\x03\x12\x19\n\x0b\x64\x65scription\x18\x03 \x01(\tB\x04\xe2\x41\x01\x02\x12\x1e\n\x10\x61rgs_schema_json\x18\x04 \x01(\tB\x04\xe2\x41\x01\x02\x12.\n\nrisk_class\x18\x05 \x01(\x0e\x32\x14.tether.v1.RiskClassB\x04\xe2\x41\x01\x02\x12\x12\n\nidempotent\x18\x06 \x01(\x08\x12\x18\n\x10untrusted_source\x18\x07 \x01(\x08\x12\x1b\n\rexecutor_kind\x18\x08 \x01(\tB\x04\xe2\x41\x01\x02\x12\x1c\n\x14\x65xecutor_config_json\x18\t \x01(\t\x12\x12\n\ntimeout_ms\x18\n \x01(\x05\x12\x10\n\x08pollable\x18\x0b \x01(\x08\x12\x0e\n\x06\x65gress\x18\x0c \x01(\x08\x12\x16\n\x08\x64isabled\x18\r \x01(\x08\x42\x04\xe2\x41\x01\x03\x12\x35\n\x0b\x63reate_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x04\xe2\x41\x01\x03\x12\x18\n\ncreated_by\x18\x0f \x01(\tB\x04\xe2\x41\x01\x03\x12\x18\n\x10\x63onstraints_json\x18\x10 \x01(\t\"N\n\x13RegisterToolRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x04tool\x18\x02 \x01(\x0b\x32\x0f.tether.v1.ToolB\x04\xe2\x41\x01\x02\"5\n\x14RegisterToolResponse\x12\x1d\n\x04tool\x18\x01 \x01(\x0b\x32\x0f.tether.v1.Tool\"5\n\x0eGetToolRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x0f\n\x07version\x18\x02 \x01(\x05\"0\n\x0fGetToolResponse\x12\x1d\n\x04tool\x18\x01 \x01(\x0b\x32\x0f.tether.v1.Tool\"P\n\x10ListToolsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x15\n\rshow_disabled\x18\x03 \x01(\x08\"L\n\x11ListToolsResponse\x12\x1e\n\x05tools\x18\x01 \x03(\x0b\x32\x0f.tether.v1.Tool\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"9\n\x12\x44isableToolRequest\x12\x12\n\x04name\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x0f\n\x07version\x18\x02 \x01(\x05\"0\n\x13\x44isableToolResponse\x12\x19\n\x11\x64isabled_versions\x18\x01 \x03(\x05\x32\xb6\x02\n\x0bToolService\x12O\n\x0cRegisterTool\x12\x1e.tether.v1.RegisterToolRequest\x1a\x1f.tether.v1.RegisterToolResponse\x12@\n\x07GetTool\x12\x19.tether.v1.GetToolRequest\x1a\x1a.tether.v1.GetToolResponse\x12\x46\n\tListTools\x12\x1b.tether.v1.ListToolsRequest\x1a\x1c.tether.v1.ListToolsResponse\x12L\n\x0b\x44isableTool\x12\x1d.tether.v1.DisableToolRequest\x1a\x1e.tether.v1.DisableToolResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -59,23 +59,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DISABLETOOLREQUEST'].fields_by_name['name']._loaded_options = None
   _globals['_DISABLETOOLREQUEST'].fields_by_name['name']._serialized_options = b'\342A\001\002'
   _globals['_TOOL']._serialized_start=133
-  _globals['_TOOL']._serialized_end=553
-  _globals['_REGISTERTOOLREQUEST']._serialized_start=555
-  _globals['_REGISTERTOOLREQUEST']._serialized_end=633
-  _globals['_REGISTERTOOLRESPONSE']._serialized_start=635
-  _globals['_REGISTERTOOLRESPONSE']._serialized_end=688
-  _globals['_GETTOOLREQUEST']._serialized_start=690
-  _globals['_GETTOOLREQUEST']._serialized_end=743
-  _globals['_GETTOOLRESPONSE']._serialized_start=745
-  _globals['_GETTOOLRESPONSE']._serialized_end=793
-  _globals['_LISTTOOLSREQUEST']._serialized_start=795
-  _globals['_LISTTOOLSREQUEST']._serialized_end=875
-  _globals['_LISTTOOLSRESPONSE']._serialized_start=877
-  _globals['_LISTTOOLSRESPONSE']._serialized_end=953
-  _globals['_DISABLETOOLREQUEST']._serialized_start=955
-  _globals['_DISABLETOOLREQUEST']._serialized_end=1012
-  _globals['_DISABLETOOLRESPONSE']._serialized_start=1014
-  _globals['_DISABLETOOLRESPONSE']._serialized_end=1062
-  _globals['_TOOLSERVICE']._serialized_start=1065
-  _globals['_TOOLSERVICE']._serialized_end=1375
+  _globals['_TOOL']._serialized_end=579
+  _globals['_REGISTERTOOLREQUEST']._serialized_start=581
+  _globals['_REGISTERTOOLREQUEST']._serialized_end=659
+  _globals['_REGISTERTOOLRESPONSE']._serialized_start=661
+  _globals['_REGISTERTOOLRESPONSE']._serialized_end=714
+  _globals['_GETTOOLREQUEST']._serialized_start=716
+  _globals['_GETTOOLREQUEST']._serialized_end=769
+  _globals['_GETTOOLRESPONSE']._serialized_start=771
+  _globals['_GETTOOLRESPONSE']._serialized_end=819
+  _globals['_LISTTOOLSREQUEST']._serialized_start=821
+  _globals['_LISTTOOLSREQUEST']._serialized_end=901
+  _globals['_LISTTOOLSRESPONSE']._serialized_start=903
+  _globals['_LISTTOOLSRESPONSE']._serialized_end=979
+  _globals['_DISABLETOOLREQUEST']._serialized_start=981
+  _globals['_DISABLETOOLREQUEST']._serialized_end=1038
+  _globals['_DISABLETOOLRESPONSE']._serialized_start=1040
+  _globals['_DISABLETOOLRESPONSE']._serialized_end=1088
+  _globals['_TOOLSERVICE']._serialized_start=1091
+  _globals['_TOOLSERVICE']._serialized_end=1401
 # @@protoc_insertion_point(module_scope)

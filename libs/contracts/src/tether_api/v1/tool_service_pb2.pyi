@@ -12,7 +12,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Tool(_message.Message):
-    __slots__ = ("name", "version", "description", "args_schema_json", "risk_class", "idempotent", "untrusted_source", "executor_kind", "executor_config_json", "timeout_ms", "pollable", "egress", "disabled", "create_time", "created_by")
+    __slots__ = ("name", "version", "description", "args_schema_json", "risk_class", "idempotent", "untrusted_source", "executor_kind", "executor_config_json", "timeout_ms", "pollable", "egress", "disabled", "create_time", "created_by", "constraints_json")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class Tool(_message.Message):
     DISABLED_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     CREATED_BY_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINTS_JSON_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     description: str
@@ -43,7 +44,8 @@ class Tool(_message.Message):
     disabled: bool
     create_time: _timestamp_pb2.Timestamp
     created_by: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., description: _Optional[str] = ..., args_schema_json: _Optional[str] = ..., risk_class: _Optional[_Union[_types_pb2.RiskClass, str]] = ..., idempotent: _Optional[bool] = ..., untrusted_source: _Optional[bool] = ..., executor_kind: _Optional[str] = ..., executor_config_json: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., pollable: _Optional[bool] = ..., egress: _Optional[bool] = ..., disabled: _Optional[bool] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., created_by: _Optional[str] = ...) -> None: ...
+    constraints_json: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., description: _Optional[str] = ..., args_schema_json: _Optional[str] = ..., risk_class: _Optional[_Union[_types_pb2.RiskClass, str]] = ..., idempotent: _Optional[bool] = ..., untrusted_source: _Optional[bool] = ..., executor_kind: _Optional[str] = ..., executor_config_json: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., pollable: _Optional[bool] = ..., egress: _Optional[bool] = ..., disabled: _Optional[bool] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., created_by: _Optional[str] = ..., constraints_json: _Optional[str] = ...) -> None: ...
 
 class RegisterToolRequest(_message.Message):
     __slots__ = ("request_id", "tool")

@@ -80,11 +80,14 @@ CREATE TABLE IF NOT EXISTS {s}.tool_versions (
     timeout_ms           int     NOT NULL,
     pollable             boolean NOT NULL,
     egress               boolean NOT NULL,
+    constraints_json     text    NOT NULL DEFAULT '{{}}',
     disabled             boolean NOT NULL DEFAULT false,
     created_by           text    NOT NULL,
     created_at_ms        bigint  NOT NULL,
     CONSTRAINT tool_versions_pkey PRIMARY KEY (tenant_id, name, version)
 );
+-- Added after the first release: existing tables get the column too.
+ALTER TABLE {s}.tool_versions ADD COLUMN IF NOT EXISTS constraints_json text NOT NULL DEFAULT '{{}}';
 CREATE TABLE IF NOT EXISTS {s}.grants (
     tenant_id    text NOT NULL,
     principal_id text NOT NULL,  -- '*' grants the tool to every principal of the tenant
@@ -198,6 +201,7 @@ def _tool(row: dict[str, Any]) -> ToolVersion:
             timeout_ms=row["timeout_ms"],
             pollable=row["pollable"],
             egress=row["egress"],
+            constraints_json=row["constraints_json"],
         ),
         disabled=row["disabled"],
         created_at_ms=row["created_at_ms"],
@@ -447,15 +451,16 @@ class PostgresStore:
                             self._q(
                                 "INSERT INTO {s}.tool_versions (tenant_id, name, version, description, "
                                 "args_schema, args_schema_json, risk_class, idempotent, untrusted_source, "
-                                "executor_kind, executor_config_json, timeout_ms, pollable, egress, created_by, "
-                                "created_at_ms) VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s, %s, %s, %s, %s, %s, "
-                                "%s, %s, %s, %s)"
+                                "executor_kind, executor_config_json, timeout_ms, pollable, egress, "
+                                "constraints_json, created_by, created_at_ms) VALUES (%s, %s, %s, %s, %s::jsonb, "
+                                "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
                             ),
                             (
                                 tenant_id, spec.name, version, spec.description, spec.args_schema_json,
                                 spec.args_schema_json, spec.risk_class.value, spec.idempotent,
                                 spec.untrusted_source, spec.executor_kind, spec.executor_config_json,
-                                spec.timeout_ms, spec.pollable, spec.egress, created_by, now_ms,
+                                spec.timeout_ms, spec.pollable, spec.egress, spec.constraints_json, created_by,
+                                now_ms,
                             ),
                         )
                         self._remember(conn, tenant_id, op, idem, spec.name, version)

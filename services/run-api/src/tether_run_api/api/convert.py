@@ -135,6 +135,7 @@ def tool_draft(t: tools_pb.Tool) -> ToolDraft:
         timeout_ms=t.timeout_ms,
         pollable=t.pollable,
         egress=t.egress,
+        constraints_json=t.constraints_json,
     )
 
 
@@ -153,6 +154,7 @@ def tool_pb(v: ToolVersion) -> tools_pb.Tool:
         timeout_ms=s.timeout_ms,
         pollable=s.pollable,
         egress=s.egress,
+        constraints_json=s.constraints_json,
         disabled=v.disabled,
         create_time=ts(v.created_at_ms),
         created_by=v.created_by,

@@ -258,6 +258,7 @@ class RunService(_Servicer, runs_grpc.RunServiceServicer):
             goal=request.goal,
             agent_version=request.agent_version,
             caps=convert.caps_draft(request.caps),
+            delegated_scope=tuple(request.delegated_scope.tools) if request.HasField("delegated_scope") else None,
         )
         sub = handlers.submit_run(
             req, principal=principal, now_ms=now, run_id=run_id, catalog=self.s.catalog, ledger=self.s.ledger,

@@ -33,6 +33,7 @@ class CatalogLimits:
     max_description_chars: int = 4_096
     max_schema_bytes: int = 64 * 1024
     max_executor_config_bytes: int = 16 * 1024
+    max_constraints_bytes: int = 16 * 1024
     max_allowlist: int = 128
 
 
@@ -77,6 +78,7 @@ class ToolDraft:
     timeout_ms: int = 0
     pollable: bool = False
     egress: bool = False
+    constraints_json: str = ""
 
 
 @dataclass(frozen=True)
@@ -224,9 +226,13 @@ def validate_tool(draft: ToolDraft, limits: CatalogLimits, *, path: str = "tool"
         draft.executor_config_json, f"{path}.executor_config_json", limits.max_executor_config_bytes, empty_ok=True
     )
     v += cv
+    constraints, cons_v = _json_object(
+        draft.constraints_json, f"{path}.constraints_json", limits.max_constraints_bytes, empty_ok=True
+    )
+    v += cons_v
     if not 0 <= draft.timeout_ms <= MAX_TOOL_TIMEOUT_MS:
         v.append(FieldViolation(f"{path}.timeout_ms", f"must be between 0 (default) and {MAX_TOOL_TIMEOUT_MS}"))
-    if v or risk is None or config is None:
+    if v or risk is None or config is None or constraints is None:
         raise InvalidArgument(v)
     return ToolSpec(
         name=draft.name,
@@ -242,6 +248,7 @@ def validate_tool(draft: ToolDraft, limits: CatalogLimits, *, path: str = "tool"
         timeout_ms=draft.timeout_ms or DEFAULT_TOOL_TIMEOUT_MS,
         pollable=draft.pollable,
         egress=draft.egress,
+        constraints_json=canonical_json(constraints),
     )
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from tether_contracts.records import AgentSpec, Caps, SubmitRun, ToolSpec
 from tether_run_api.domain.auth import Principal
-from tether_run_api.domain.catalog import CapsDraft, canonical_json, check_agent_id
+from tether_run_api.domain.catalog import CapsDraft, canonical_json, check_agent_id, check_tool_name
 from tether_run_api.domain.errors import FieldViolation, InvalidArgument
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -32,6 +32,8 @@ class SubmitRequest:
     goal: str
     agent_version: int = 0
     caps: CapsDraft = field(default_factory=CapsDraft)
+    #: Tools a delegating principal scoped the run to; None = not delegated.
+    delegated_scope: tuple[str, ...] | None = None
 
 
 def check_request_id(request_id: str, path: str = "request_id") -> list[FieldViolation]:
@@ -61,6 +63,8 @@ def validate_submit(req: SubmitRequest, limits: RunLimits) -> None:
     for name in ("max_steps", "max_wall_clock_ms", "max_tokens", "max_cost_usd_micros", "max_tool_calls"):
         if getattr(req.caps, name) < 0:
             v.append(FieldViolation(f"caps.{name}", "must not be negative (0 = the agent's cap)"))
+    for i, name in enumerate(req.delegated_scope or ()):
+        v += check_tool_name(name, f"delegated_scope.tools[{i}]")
     if v:
         raise InvalidArgument(v)
 
@@ -93,6 +97,7 @@ def request_fingerprint(req: SubmitRequest) -> str:
             req.caps.max_cost_usd_micros,
             req.caps.max_tool_calls,
         ],
+        "delegated_scope": None if req.delegated_scope is None else sorted(set(req.delegated_scope)),
     }
     return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
@@ -123,6 +128,7 @@ def build_submit(
         tools=snapshot_tools(list(agent.tool_allowlist), tools),
         caps=effective_caps(agent.caps, req.caps),
         tenant_grants=sorted(set(grants)),
+        delegated_scope=None if req.delegated_scope is None else sorted(set(req.delegated_scope)),
     )
 
 
