@@ -14,8 +14,7 @@ _BREAKS = re.compile(r"[ \t]*\r?\n[ \t]*")
 def _registered_redactor(secrets: dict[str, str]) -> Redactor:
     redactor = Redactor()
     registry = SecretRegistry(StaticSecretProvider(secrets), redactor)
-    for name in secrets:
-        registry.resolve(name)  # resolution registers the value's derived forms
+    registry.preload(secrets)  # resolution registers every value's derived forms
     return redactor
 
 

@@ -71,6 +71,10 @@ def derived_forms(value: str) -> set[str]:
         forms.add(full)
         forms.add(full.rstrip("="))
         forms |= _b64_cores(raw, alphabet)
+        # A value inside a JSON document that was then base64-encoded (tokens, cookies, payloads).
+        escaped = json.dumps(value)[1:-1].encode()
+        if escaped != raw:
+            forms |= _b64_cores(escaped, alphabet)
     normalised = {_BREAK.sub("", f) for f in forms}
     return {f for f in normalised if len(f) >= min(len(value), _MIN_FORM_LENGTH)}
 
@@ -152,7 +156,7 @@ _RULES: tuple[_Rule, ...] = (
     # `api_key=...`, `"password": "..."`, `X-Api-Key: ...`: only the value is redacted.
     _Rule("credential", re.compile(
         rf"(?i)(?:{_CREDENTIAL_WORDS})(?![\w])[\"']?\s*(?:=>|:=|=|:(?!//))\s*"
-        r"(?:\"(?P<dq>(?:[^\"\\\n]|\\.){1,512})\"|'(?P<sq>[^'\n]{1,512})'|(?P<bare>[^\s,;&'\"<>()\[\]{}]{1,512}))"),
+        r"(?:\"(?P<dq>(?:[^\"\\\n]|\\.){1,512})\"|'(?P<sq>[^'\n]{1,512})'|(?P<bare>\$\{[^}\s]*\}|[^\s,;&'\"<>()\[\]{}]{1,512}))"),
         "value"),
 )
 
@@ -229,23 +233,26 @@ class Redactor:
         Values shorter than `min_secret_length` would redact ordinary words; keep such secrets out
         of logs by other means.
         """
-        if not isinstance(value, str):
-            raise TypeError("secret values are str")
-        if len(value.strip()) < self._min_secret_length:
-            return False
-        with self._lock:
-            if value in self._values:
-                return True
-            forms = self._forms | derived_forms(value)
-            self._known = _trie_pattern(forms)
-            self._forms = frozenset(forms)
-            self._values = self._values | {value}
-        return True
+        return self.add_secrets([value]) == 1
 
-    def add_secrets(self, values: Iterable[str]) -> None:
-        """Register several secret values."""
-        for v in values:
-            self.add_secret(v)
+    def add_secrets(self, values: Iterable[str]) -> int:
+        """Register several secret values at once (one matcher rebuild); returns how many were accepted."""
+        accepted = []
+        for value in values:
+            if not isinstance(value, str):
+                raise TypeError("secret values are str")
+            if len(value.strip()) >= self._min_secret_length:
+                accepted.append(value)
+        with self._lock:
+            new = [v for v in accepted if v not in self._values]
+            if new:
+                forms = set(self._forms)
+                for v in new:
+                    forms |= derived_forms(v)
+                self._known = _trie_pattern(forms)
+                self._forms = frozenset(forms)
+                self._values = self._values | frozenset(new)
+        return len(accepted)
 
     def findings(self, text: str) -> list[Finding]:
         """The spans `redact` would replace, merged and in order."""

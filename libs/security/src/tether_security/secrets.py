@@ -199,8 +199,10 @@ class SecretRegistry:
     def preload(self, names: Iterable[str]) -> None:
         """Resolve and register secrets up front (e.g. every secret a run's tools may use), so redaction
         covers them even in output produced before their first explicit use."""
-        for name in names:
-            self.resolve(name)
+        resolved = {secret_name(n): self._provider.resolve(secret_name(n)) for n in names}
+        self._redactor.add_secrets(resolved.values())
+        with self._lock:
+            self._resolved |= set(resolved)
 
     def resolved_names(self) -> frozenset[str]:
         """Names resolved so far (never values): for audit records."""
