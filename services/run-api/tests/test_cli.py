@@ -133,9 +133,11 @@ def test_agents_and_tools_commands(env: Services, tmp_path) -> None:
     tool_file = tmp_path / "tool.json"
     tool_file.write_text(json.dumps({"name": "kv_get", "description": "Read a key.", "risk_class": "RISK_CLASS_READ_ONLY",
                                      "executor_kind": "builtin", "args_schema": {"type": "object"},
-                                     "executor_config": {"builtin": "kv_get"}}))
+                                     "executor_config": {"builtin": "kv_get"},
+                                     "constraints": {"rules": []}}))
     assert "registered tool kv_get v1" in invoke("tools", "register", "-f", str(tool_file)).output
     assert "kv_get" in invoke("tools", "list").output
+    assert json.loads(invoke("--json", "tools", "get", "kv_get").stdout)["constraints_json"] == '{"rules":[]}'
     assert "disabled kv_get versions [1]" in invoke("tools", "disable", "kv_get").output
     agent_file = tmp_path / "agent.json"
     agent_file.write_text(json.dumps({"agent_id": "demo", "instructions": "Be brief."}))

@@ -418,13 +418,14 @@ def tools_get(name: str, version: Annotated[int, typer.Option(help="0 = latest")
 
 @tools_app.command("register")
 def tools_register(
-    file: Annotated[Path, typer.Option("--file", "-f", help="Tool as JSON; args_schema / executor_config may "
-                                                            "be objects")],
+    file: Annotated[Path, typer.Option("--file", "-f", help="Tool as JSON; args_schema, executor_config and "
+                                                            "constraints may be objects")],
     request_id: Annotated[str | None, typer.Option(help="idempotency key")] = None,
 ) -> None:
     """Register the next version of a tool from a JSON file."""
     data = _load(file)
-    for obj_key, text_key in (("args_schema", "args_schema_json"), ("executor_config", "executor_config_json")):
+    for obj_key, text_key in (("args_schema", "args_schema_json"), ("executor_config", "executor_config_json"),
+                              ("constraints", "constraints_json")):
         if obj_key in data:
             data[text_key] = json.dumps(data.pop(obj_key))
     client = _client()
