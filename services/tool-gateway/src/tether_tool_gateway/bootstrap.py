@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from psycopg_pool import ConnectionPool
 
 from tether_messaging.blobstore import PostgresBlobStore
 from tether_messaging.topics import Topics
-from tether_tool_gateway.domain.policy import BasicPolicy
+from tether_tool_gateway.domain.policy import TrustPolicy
+from tether_tool_gateway.domain.policy_document import LoadedPolicy, default_policy, parse_policy
 from tether_tool_gateway.domain.results import ResultLimits
 from tether_tool_gateway.entrypoint import GatewayProcessor
 from tether_tool_gateway.execution import ToolRunner
@@ -18,6 +20,7 @@ from tether_tool_gateway.handlers import Deps
 from tether_tool_gateway.ledger.port import Owner
 from tether_tool_gateway.ledger.postgres import PostgresLedger
 from tether_tool_gateway.ports import MappingSecretProvider, PassthroughRedactor
+from tether_tool_gateway.ratelimit import RedisRateLimiter
 from tether_tool_gateway.settings import GatewaySettings
 
 
@@ -30,6 +33,7 @@ class Gateway:
     pool: ConnectionPool
     ledger: PostgresLedger
     blobs: PostgresBlobStore
+    limiter: RedisRateLimiter
 
     def open(self) -> None:
         """Connect to PostgreSQL and create the ledger and blob schemas if missing."""
@@ -40,6 +44,16 @@ class Gateway:
     def close(self) -> None:
         self.runner.close()
         self.pool.close()
+        self.limiter.close()
+
+
+def load_policy(settings: GatewaySettings) -> LoadedPolicy:
+    """The policy document the settings name (file, inline, or the built-in default)."""
+    if settings.policy_file is not None:
+        return parse_policy(Path(settings.policy_file).read_text(encoding="utf-8"))
+    if settings.policy_json is not None:
+        return parse_policy(settings.policy_json)
+    return default_policy()
 
 
 def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None) -> Gateway:
@@ -51,6 +65,9 @@ def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None) -> G
     # The instance slot is stable across restarts; the boot id tells this life from the last,
     # so an intent our previous life left behind is taken over at once.
     owner = Owner(instance=f"{GatewayProcessor.name}-{settings.instance_id}", boot=boot_id or uuid.uuid4().hex)
+    limiter = RedisRateLimiter.from_url(settings.redis_url, key_prefix=settings.topic_prefix + settings.rate_limit_key_prefix,
+                                        max_wait_ms=settings.rate_limit_max_wait_ms,
+                                        grant_ttl_ms=settings.rate_limit_grant_ttl_ms)
     runner = ToolRunner(
         ledger=ledger,
         executors={"builtin": BuiltinExecutor()},
@@ -58,6 +75,7 @@ def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None) -> G
         owner=owner,
         secrets=MappingSecretProvider(),
         redactor=PassthroughRedactor(),
+        limiter=limiter,
         limits=ResultLimits(inline_max_bytes=settings.inline_result_max_bytes, max_bytes=settings.result_max_bytes),
         lease_ms=settings.lease_ms,
         heartbeat_ms=settings.heartbeat_ms,
@@ -65,13 +83,13 @@ def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None) -> G
     )
     deps = Deps(
         topics=Topics(settings.topic_prefix),
-        policy=BasicPolicy(approval_ttl_ms=settings.approval_ttl_ms),
+        policy=TrustPolicy(load_policy(settings)),
         runner=runner,
         recheck_ms=settings.recheck_ms,
         stall_ms=settings.stall_ms,
     )
     processor = GatewayProcessor(deps, sweep_interval_ms=settings.sweep_interval_ms, sweep_limit=settings.sweep_limit)
-    return Gateway(processor=processor, runner=runner, pool=pool, ledger=ledger, blobs=blobs)
+    return Gateway(processor=processor, runner=runner, pool=pool, ledger=ledger, blobs=blobs, limiter=limiter)
 
 
 def declare_topics(settings: GatewaySettings) -> None:

@@ -90,6 +90,10 @@ def http_get_spec(allow_hosts: Sequence[str], *, max_body_bytes: int = 1024 * 10
                                     "max_body_bytes": max_body_bytes}),
         timeout_ms=timeout_ms,
         egress=False,
+        # The gateway refuses other hosts before the call runs (CONSTRAINT_VIOLATION); the
+        # executor checks again, and also refuses redirects to other origins.
+        constraints_json=_json({"rules": [{"kind": "egress", "arg": "/url",
+                                           "hosts": sorted({h.lower() for h in allow_hosts})}]}),
     )
 
 
@@ -126,8 +130,17 @@ def kv_get_spec(kv_url: str, *, timeout_ms: int = 10_000, version: int = 1) -> T
 
 
 def send_email_spec(smtp_host: str, smtp_port: int, from_addr: str, *, timeout_ms: int = 15_000,
-                    version: int = 1) -> ToolSpec:
-    """Send an email over SMTP. Irreversible (contacts people) and not idempotent."""
+                    version: int = 1, recipient_domains: Sequence[str] | None = None,
+                    recipient_addresses: Sequence[str] = ()) -> ToolSpec:
+    """Send an email over SMTP. Irreversible (contacts people), egress, and not idempotent.
+
+    With `recipient_domains` (or `recipient_addresses`), other recipients are refused before the
+    call runs (CONSTRAINT_VIOLATION); without, any address may be proposed (a human approves).
+    """
+    rules = []
+    if recipient_domains is not None or recipient_addresses:
+        rules.append({"kind": "recipients", "arg": "/to", "domains": sorted(recipient_domains or ()),
+                      "addresses": sorted(recipient_addresses)})
     return ToolSpec(
         name=SEND_EMAIL,
         version=version,
@@ -141,15 +154,17 @@ def send_email_spec(smtp_host: str, smtp_port: int, from_addr: str, *, timeout_m
                                     "from_addr": from_addr}),
         timeout_ms=timeout_ms,
         egress=True,
+        constraints_json=_json({"rules": rules}) if rules else "{}",
     )
 
 
 def builtin_tool_specs(*, kv_url: str, smtp_host: str, smtp_port: int, email_from: str,
-                       http_allow_hosts: Sequence[str]) -> list[ToolSpec]:
+                       http_allow_hosts: Sequence[str],
+                       email_recipient_domains: Sequence[str] | None = None) -> list[ToolSpec]:
     """The default ToolSpecs of every built-in tool, pointing at the given services."""
     return [
         http_get_spec(http_allow_hosts),
         kv_put_spec(kv_url),
         kv_get_spec(kv_url),
-        send_email_spec(smtp_host, smtp_port, email_from),
+        send_email_spec(smtp_host, smtp_port, email_from, recipient_domains=email_recipient_domains),
     ]

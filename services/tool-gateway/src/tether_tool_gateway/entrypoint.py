@@ -32,8 +32,9 @@ class GatewayProcessor:
 
     Per-run state (RunState) is checkpointed by the loop. Executions and sweeps run as work off
     the loop thread. on_tick re-starts calls that are EXECUTING without work in this process
-    (after a failover, or after waiting for another instance's lease) and, every
-    `sweep_interval_ms`, sweeps each owned partition's expired ledger leases.
+    (after a failover, or after waiting for another instance's lease), starts RATE_LIMITED calls
+    whose not-before time has come, and, every `sweep_interval_ms`, sweeps each owned
+    partition's expired ledger leases.
     """
 
     name = NAME
@@ -87,8 +88,10 @@ class GatewayProcessor:
             run = ctx.get_state(run_id)
             if run is None:
                 continue
-            due = [c for c in run.calls.values() if c.status is CallStatus.EXECUTING
-                   and (now >= c.recheck_at_ms or call_work_key(c.idem_key) not in self._seen)]
+            due = [c for c in run.calls.values()
+                   if (c.status is CallStatus.EXECUTING
+                       and (now >= c.recheck_at_ms or call_work_key(c.idem_key) not in self._seen))
+                   or (c.status is CallStatus.RATE_LIMITED and now >= c.not_before_ms)]
             if not due:
                 continue
             run = run.model_copy(deep=True)

@@ -22,6 +22,8 @@ from tether_contracts.records import BlobRef, ToolSpec
 from tether_messaging.blobstore import BlobStore
 from tether_tool_gateway.domain.canonical import canonical_json
 from tether_tool_gateway.domain.errors import ToolError
+from tether_tool_gateway.domain.policy import RateAnswer
+from tether_tool_gateway.domain.policy_document import RateLimit
 from tether_tool_gateway.domain.results import Placement, ResultLimits
 from tether_tool_gateway.ledger.port import (
     Busy,
@@ -39,6 +41,8 @@ from tether_tool_gateway.ports import (
     Executor,
     MappingSecretProvider,
     PassthroughRedactor,
+    RateLimiter,
+    RateLimiterUnavailable,
     Redactor,
     SecretProvider,
 )
@@ -101,7 +105,17 @@ class Pending:
     reason: str
 
 
-Outcome = Completed | Failed | Unknown | Pending
+@dataclass(frozen=True)
+class RateLimited:
+    """The rate limiter said wait: nothing ran; the handlers record the decision and retry later."""
+
+    call: CallRef
+    limit: RateLimit
+    answer: RateAnswer
+    attempt: int
+
+
+Outcome = Completed | Failed | Unknown | Pending | RateLimited
 
 
 @dataclass(frozen=True)
@@ -145,6 +159,7 @@ class ToolRunner:
         owner: Owner,
         secrets: SecretProvider | None = None,
         redactor: Redactor | None = None,
+        limiter: RateLimiter | None = None,
         limits: ResultLimits | None = None,
         lease_ms: int = 30_000,
         heartbeat_ms: int = 10_000,
@@ -157,6 +172,7 @@ class ToolRunner:
         self.blobs = blobs
         self._secrets = secrets or MappingSecretProvider()
         self._redactor = redactor or PassthroughRedactor()
+        self._limiter = limiter
         self._limits = limits or ResultLimits()
         self.lease_ms = lease_ms
         self._heartbeat_s = heartbeat_ms / 1000
@@ -168,9 +184,16 @@ class ToolRunner:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def run(self, intent: Intent, tool: ToolSpec) -> Outcome:
-        """Execute a decided call once: claim its intent, then execute, replay or wait."""
+    def run(self, intent: Intent, tool: ToolSpec, limit: RateLimit | None = None, attempt: int = 1) -> Outcome:
+        """Execute a decided call once: pass the rate limit (if any), claim its intent, then
+        execute, replay or wait. `attempt` numbers the rate-limit checks of the call."""
         call = CallRef.of(intent)
+        if limit is not None:
+            if self._limiter is None:
+                raise RateLimiterUnavailable("the policy limits this tool but no rate limiter is configured")
+            answer = self._limiter.acquire(intent.tenant_id, intent.tool_name, limit, intent.idem_key)
+            if not answer.allowed:
+                return RateLimited(call, limit, answer, attempt)
         executor = self._executors.get(tool.executor_kind)
         if executor is None:
             return Failed(call, "EXECUTOR_UNAVAILABLE", f"no executor for kind {tool.executor_kind!r}", False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -20,6 +21,7 @@ from tether_contracts.records import (
     RunTerminated,
     ToolCallBudgeted,
     ToolCallCompleted,
+    ToolCallDeferred,
     ToolCallDenied,
     ToolCallFailed,
     ToolCallOutcomeUnknown,
@@ -28,17 +30,21 @@ from tether_contracts.records import (
 from tether_messaging.envelopes import derived_id
 from tether_messaging.processor import Context, Inbound
 from tether_messaging.topics import Topics
+from tether_tool_gateway.domain.canonical import canonical_json
 from tether_tool_gateway.domain.errors import UnknownCall, UnknownRun
 from tether_tool_gateway.domain.policy import (
     Allow,
     ApprovalDecisionInputs,
     CallDecisionInputs,
     Decision,
+    Defer,
     Deny,
     Policy,
+    RateDecisionInputs,
     RequireApproval,
     approval_id_for,
 )
+from tether_tool_gateway.domain.provenance import provenance, result_text
 from tether_tool_gateway.domain.state import CallState, CallStatus, RunState
 from tether_tool_gateway.execution import (
     CallRef,
@@ -46,6 +52,7 @@ from tether_tool_gateway.execution import (
     Failed,
     Outcome,
     Pending,
+    RateLimited,
     ToolRunner,
     Unknown,
     tool_spec_json,
@@ -83,6 +90,10 @@ def outcome_event_id(run_id: str, idem_key: str) -> str:
 
 def approval_event_id(run_id: str, idem_key: str) -> str:
     return derived_id(run_id, PRODUCER, "approval-requested", idem_key)
+
+
+def deferred_event_id(run_id: str, idem_key: str, attempt: int) -> str:
+    return derived_id(run_id, PRODUCER, "deferred", idem_key, str(attempt))
 
 
 def call_work_key(idem_key: str) -> str:
@@ -158,7 +169,11 @@ def start_execution(call: CallState, run: RunState, run_id: str, ctx: Context, d
     key = call_work_key(call.idem_key)
     if seen is not None:
         seen.add(key)
-    ctx.start_work(key, run_id, run.tenant_id, partial(deps.runner.run, intent, tool))
+    # The rate limit is checked when the call is about to run (after any approval), not when
+    # it was decided: a human may take days, and the limiter answers for "now".
+    limit = deps.policy.rate_limit_for(run.tenant_id, call.tool_name)
+    ctx.start_work(key, run_id, run.tenant_id,
+                   partial(deps.runner.run, intent, tool, limit, call.rate_attempts + 1))
 
 
 # -- event handlers (message first, dependencies named) ------------------------------------------
@@ -166,12 +181,17 @@ def on_run_accepted(event: RunAccepted, msg: Inbound, ctx: Context, *, deps: Dep
     run_id = msg.envelope.run_id
     if ctx.get_state(run_id) is not None:
         return  # replayed
-    ctx.put_state(run_id, RunState(
+    run = RunState(
         tenant_id=msg.envelope.tenant_id,
+        principal_id=event.principal_id,
+        agent_id=event.agent.agent_id,
         agent_allowlist=list(event.agent.tool_allowlist),
         tenant_grants=list(event.tenant_grants),
+        delegated_scope=None if event.delegated_scope is None else list(event.delegated_scope),
         tools={t.name: t for t in event.tools},
-    ))
+    )
+    run.read_goal(event.goal)
+    ctx.put_state(run_id, run)
 
 
 def on_tool_call_requested(event: ToolCallRequested, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
@@ -205,11 +225,7 @@ def on_tool_call_budgeted(event: ToolCallBudgeted, msg: Inbound, ctx: Context, *
         return
     if call.status is not CallStatus.REQUESTED:
         return  # already decided
-    decision = deps.policy.decide_call(CallDecisionInputs(
-        tool_name=call.tool_name, args_json=call.args_json, args_hash=call.args_hash,
-        tool=run.tools.get(call.tool_name), tenant_grants=run.tenant_grants, agent_allowlist=run.agent_allowlist,
-        recorded_at_ms=msg.envelope.recorded_at_ms,
-    ))
+    decision = deps.policy.decide_call(call_decision_inputs(run, call, recorded_at_ms=msg.envelope.recorded_at_ms))
     verdict = decision.verdict
     if isinstance(verdict, Deny):
         _deny(call, decision, verdict, run_id, run.tenant_id, ctx, deps, msg.envelope.event_id)
@@ -219,7 +235,7 @@ def on_tool_call_budgeted(event: ToolCallBudgeted, msg: Inbound, ctx: Context, *
         _emit(ctx, deps, ApprovalRequested(
             approval_id=approval_id, step=call.step, call_id=call.call_id, idem_key=call.idem_key,
             tool_name=call.tool_name, args_json=call.args_json, args_hash=call.args_hash,
-            risk_class=tool.risk_class, reasons=list(verdict.reasons), provenance_json=call.provenance_json,
+            risk_class=tool.risk_class, reasons=list(verdict.reasons), provenance_json=call_provenance(run, call),
             expires_at_ms=verdict.expires_at_ms, policy_version=decision.policy_version,
             inputs_hash=decision.inputs_hash,
         ), run_id=run_id, tenant_id=run.tenant_id, event_id=approval_event_id(run_id, call.idem_key),
@@ -228,10 +244,48 @@ def on_tool_call_budgeted(event: ToolCallBudgeted, msg: Inbound, ctx: Context, *
         call.approval_id = approval_id
         call.approval_expires_at_ms = verdict.expires_at_ms
         DECISIONS.labels("approval", ",".join(verdict.reasons)).inc()
+        log.info("tool_call_needs_approval", run_id=run_id, call_id=call.call_id, tool=call.tool_name,
+                 reasons=list(verdict.reasons), policy_version=decision.policy_version,
+                 inputs_hash=decision.inputs_hash)
     elif isinstance(verdict, Allow):
         start_execution(call, run, run_id, ctx, deps, seen)
         DECISIONS.labels("allow", "").inc()
+        tool = run.tools[call.tool_name]
+        # Every allowed call is logged with the evidence; WRITE and IRREVERSIBLE ones at info.
+        (log.debug if tool.risk_class.value == "READ_ONLY" else log.info)(
+            "tool_call_allowed", run_id=run_id, call_id=call.call_id, tool=call.tool_name,
+            risk_class=tool.risk_class.value, args_hash=call.args_hash, policy_version=decision.policy_version,
+            inputs_hash=decision.inputs_hash)
     ctx.put_state(run_id, run)
+
+
+def call_decision_inputs(run: RunState, call: CallState, *, recorded_at_ms: int) -> CallDecisionInputs:
+    """The decision inputs of a budgeted call, all from the log as folded up to its ToolCallBudgeted."""
+    return CallDecisionInputs(
+        tool_name=call.tool_name, args_json=call.args_json, args_hash=call.args_hash,
+        tool=run.tools.get(call.tool_name), tenant_grants=run.tenant_grants, agent_allowlist=run.agent_allowlist,
+        recorded_at_ms=recorded_at_ms, tenant_id=run.tenant_id, agent_id=run.agent_id,
+        principal_id=run.principal_id, delegated_scope=run.delegated_scope, tainted_by=tuple(run.tainted_by),
+    )
+
+
+def call_provenance(run: RunState, call: CallState) -> str:
+    """ApprovalRequested.provenance_json: the gateway's own derivation from the log, plus what
+    the planner claimed (kept for comparison, never trusted)."""
+    try:
+        args = json.loads(call.args_json)
+    except json.JSONDecodeError:
+        args = call.args_json
+    shown = provenance(args, run.sources)
+    if run.tainted_by:
+        shown["tainted_by"] = list(run.tainted_by)
+    try:
+        claimed = json.loads(call.provenance_json or "{}")
+    except json.JSONDecodeError:
+        claimed = call.provenance_json
+    if claimed:
+        shown["planner"] = claimed
+    return canonical_json(shown)
 
 
 def on_approval_decided(event: ApprovalDecided, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
@@ -280,14 +334,44 @@ def on_approval_requested(event: ApprovalRequested, msg: Inbound, ctx: Context, 
 
 
 def on_call_outcome(event: ToolCallCompleted | ToolCallFailed | ToolCallDenied | ToolCallOutcomeUnknown, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
-    """A terminal outcome of a call reached the log: the call needs nothing more from us."""
+    """A terminal outcome of a call reached the log: the call needs nothing more from us, and
+    what the model will read from it is folded into the run (taint, provenance sources)."""
+    run_id = msg.envelope.run_id
+    run = _state(ctx, run_id)
+    if run is None:
+        return
+    changed = _read_outcome(run, event)
+    call = run.calls.get(event.call_id)
+    if call is not None and call.status is not CallStatus.RESOLVED:
+        call.status = CallStatus.RESOLVED
+        seen.discard(call_work_key(call.idem_key))
+        changed = True
+    if changed:
+        ctx.put_state(run_id, run)
+
+
+def _read_outcome(run: RunState, event: AvroRecord) -> bool:
+    """Fold an outcome's content into the run; True if the run changed."""
+    tool = run.tools.get(getattr(event, "tool_name", ""))
+    untrusted_tool = tool is not None and tool.untrusted_source
+    before = (len(run.tainted_by), len(run.sources))
+    if isinstance(event, ToolCallCompleted):
+        text = result_text(event.result_json) if event.result_json is not None else None
+        run.read_result(event.call_id, event.tool_name, text, untrusted=event.untrusted or untrusted_tool)
+    elif isinstance(event, ToolCallFailed):
+        # An untrusted tool's error text may quote what it read; the model sees it too.
+        run.read_result(event.call_id, event.tool_name, event.detail, untrusted=untrusted_tool)
+    return (len(run.tainted_by), len(run.sources)) != before
+
+
+def on_call_deferred(event: ToolCallDeferred, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
+    # Our own rate-limit decision, sequenced: keeps attempt numbers unique when state is rebuilt.
     run_id = msg.envelope.run_id
     run = _state(ctx, run_id)
     call = None if run is None else run.calls.get(event.call_id)
-    if run is None or call is None or call.status is CallStatus.RESOLVED:
+    if run is None or call is None or call.rate_attempts >= event.attempt:
         return
-    call.status = CallStatus.RESOLVED
-    seen.discard(call_work_key(call.idem_key))
+    call.rate_attempts = event.attempt
     ctx.put_state(run_id, run)
 
 
@@ -308,6 +392,12 @@ def on_call_work_done(outcome: Outcome | None, error: BaseException | None, ctx:
     """An execution (or a look at the ledger) finished: emit its outcome, or look again later."""
     run = _state(ctx, run_id)
     call = None if run is None else next((c for c in run.calls.values() if c.idem_key == idem_key), None)
+    if isinstance(outcome, RateLimited):
+        if run is not None and call is not None and call.status is CallStatus.EXECUTING:
+            _defer(outcome, run, call, run_id, ctx, deps)
+            seen.discard(call_work_key(idem_key))
+            ctx.put_state(run_id, run)
+        return
     if error is not None or isinstance(outcome, Pending) or outcome is None:
         if error is not None:
             log.warning("execution_attempt_failed", run_id=run_id, idem_key=idem_key,
@@ -322,6 +412,31 @@ def on_call_work_done(outcome: Outcome | None, error: BaseException | None, ctx:
     if call is not None and call.status is CallStatus.EXECUTING:
         call.status = CallStatus.RESOLVED
         ctx.put_state(run_id, run)
+
+
+def _defer(limited: RateLimited, run: RunState, call: CallState, run_id: str, ctx: Context, deps: Deps) -> None:
+    """Record the rate-limit decision (with the limiter's answer as an input) and park the call."""
+    decision = deps.policy.decide_rate(RateDecisionInputs(
+        tenant_id=run.tenant_id, tool_name=call.tool_name, call_id=call.call_id, idem_key=call.idem_key,
+        attempt=limited.attempt, limit=limited.limit, answer=limited.answer, decided_at_ms=ctx.now_ms,
+    ))
+    verdict = decision.verdict
+    if not isinstance(verdict, Defer):
+        call.recheck_at_ms = ctx.now_ms  # the limiter said no but the policy says go: ask again at once
+        return
+    _emit(ctx, deps, ToolCallDeferred(
+        step=call.step, call_id=call.call_id, idem_key=call.idem_key, tool_name=call.tool_name,
+        reason_code=verdict.reason_code, retry_after_ms=verdict.retry_after_ms, not_before_ms=verdict.not_before_ms,
+        attempt=limited.attempt, decided_at_ms=ctx.now_ms, policy_version=decision.policy_version,
+        inputs_hash=decision.inputs_hash,
+    ), run_id=run_id, tenant_id=run.tenant_id, event_id=deferred_event_id(run_id, call.idem_key, limited.attempt),
+        causation_id=None)
+    call.status = CallStatus.RATE_LIMITED
+    call.not_before_ms = verdict.not_before_ms
+    call.rate_attempts = limited.attempt
+    DECISIONS.labels("defer", verdict.reason_code).inc()
+    log.info("tool_call_deferred", run_id=run_id, call_id=call.call_id, tool=call.tool_name,
+             retry_after_ms=verdict.retry_after_ms, attempt=limited.attempt)
 
 
 def on_sweep_done(result: Any, ctx: Context, *, deps: Deps) -> None:
@@ -355,6 +470,7 @@ HANDLERS: dict[type[AvroRecord], EventHandler] = {
     ToolCallFailed: on_call_outcome,
     ToolCallDenied: on_call_outcome,
     ToolCallOutcomeUnknown: on_call_outcome,
+    ToolCallDeferred: on_call_deferred,
     RunCompleted: on_run_ended,
     RunTerminated: on_run_ended,
     RunRejected: on_run_ended,

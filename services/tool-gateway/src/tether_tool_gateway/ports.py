@@ -1,4 +1,4 @@
-"""The gateway's ports besides the ledger: executors (one per executor_kind), secrets, redaction."""
+"""The gateway's ports besides the ledger: executors (one per executor_kind), secrets, redaction, rate limits."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tether_contracts.records import ToolSpec
+from tether_tool_gateway.domain.policy import RateAnswer
+from tether_tool_gateway.domain.policy_document import RateLimit
 
 
 class SecretNotFound(KeyError):
@@ -75,3 +77,20 @@ class Executor(Protocol):
     """
 
     def execute(self, request: ExecutionRequest, secrets: SecretProvider) -> Any: ...
+
+
+class RateLimiterUnavailable(RuntimeError):
+    """The limiter could not answer (no limiter configured, or its store is unreachable).
+    The call does not run without an answer; it is looked at again later."""
+
+
+class RateLimiter(Protocol):
+    """Token buckets per (tenant, tool), shared by every gateway instance.
+
+    `acquire` takes a token for one call, or reserves the next one and answers how long to wait.
+    It is idempotent per `idem_key`: asking again for the same call returns the same grant (now
+    allowed, or the remaining wait), never a second token — so a replayed or restarted call is
+    not charged twice. Raises `RateLimiterUnavailable` when it cannot answer.
+    """
+
+    def acquire(self, tenant_id: str, tool_name: str, limit: RateLimit, idem_key: str) -> RateAnswer: ...

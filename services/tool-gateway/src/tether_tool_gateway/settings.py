@@ -32,7 +32,16 @@ class GatewaySettings(ServiceSettings):
     # -- results and policy -----------------------------------------------------------------
     inline_result_max_bytes: int = Field(64 * 1024, ge=1, description="Larger results go to the blob store.")
     result_max_bytes: int = Field(8 * 1024 * 1024, ge=1, description="Larger results fail with OVERSIZED_RESULT.")
-    approval_ttl_ms: int = Field(7 * 24 * 3_600_000, ge=1, description="How long an approval request stays open.")
+
+    # -- policy and rate limits ---------------------------------------------------------------
+    policy_file: str | None = Field(None, description="Path of the policy document (JSON, docs/policy.md); "
+                                                      "unset = the built-in default (approval for IRREVERSIBLE).")
+    policy_json: str | None = Field(None, description="The policy document inline (instead of policy_file).")
+    rate_limit_key_prefix: str = Field("tether:gateway:", description="Prefix of the rate limiter's Redis keys.")
+    rate_limit_max_wait_ms: int = Field(300_000, ge=1, description="Longest wait a rate-limited call may reserve; "
+                                                                  "later calls are told to come back.")
+    rate_limit_grant_ttl_ms: int = Field(24 * 3_600_000, ge=1_000, description="How long a call's token is "
+                                                                             "remembered (replays are not charged twice).")
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewaySettings:
@@ -40,4 +49,6 @@ class GatewaySettings(ServiceSettings):
             raise ValueError("heartbeat_ms must be shorter than lease_ms, or leases lapse while tools run")
         if self.inline_result_max_bytes > self.result_max_bytes:
             raise ValueError("inline_result_max_bytes must not exceed result_max_bytes")
+        if self.policy_file is not None and self.policy_json is not None:
+            raise ValueError("set policy_file or policy_json, not both")
         return self

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 
+from tether_tool_gateway.domain.policy import RateAnswer
+from tether_tool_gateway.domain.policy_document import RateLimit
 from tether_tool_gateway.ledger.port import (
     UNKNOWN_DETAIL,
     Busy,
@@ -109,3 +112,41 @@ class InMemoryLedger(IdempotencyLedger):
         with self._lock:
             row = self._rows.get(idem_key)
             return None if row is None else row.record
+
+
+class InMemoryRateLimiter:
+    """The RateLimiter port in a dict, with the Redis script's rules (token bucket with
+    reservations, idempotent per idem_key); `clock_ms` is the limiter's clock."""
+
+    def __init__(self, clock_ms: Callable[[], int] | None = None, *, max_wait_ms: int = 300_000) -> None:
+        self.clock_ms = clock_ms or (lambda: int(time.time() * 1000))
+        self.max_wait_ms = max_wait_ms
+        self._buckets: dict[tuple[str, str], tuple[float, int]] = {}
+        self._grants: dict[str, int] = {}
+        self._lock = threading.Lock()
+        #: Every acquire, for assertions: (tenant, tool, idem_key, answer).
+        self.asked: list[tuple[str, str, str, RateAnswer]] = []
+
+    def acquire(self, tenant_id: str, tool_name: str, limit: RateLimit, idem_key: str) -> RateAnswer:
+        with self._lock:
+            answer = self._acquire(tenant_id, tool_name, limit, idem_key)
+            self.asked.append((tenant_id, tool_name, idem_key, answer))
+            return answer
+
+    def _acquire(self, tenant_id: str, tool_name: str, limit: RateLimit, idem_key: str) -> RateAnswer:
+        now = self.clock_ms()
+        at = self._grants.get(idem_key)
+        if at is not None:
+            return RateAnswer(True, 0) if at <= now else RateAnswer(False, at - now)
+        rate = limit.rate_per_s / 1000
+        tokens, ts = self._buckets.get((tenant_id, tool_name), (float(limit.capacity), now))
+        if now > ts:
+            tokens, ts = min(limit.capacity, tokens + (now - ts) * rate), now
+        after = tokens - 1
+        wait = math.ceil(-after / rate) if after < 0 else 0
+        if wait > self.max_wait_ms:
+            self._buckets[(tenant_id, tool_name)] = (tokens, ts)
+            return RateAnswer(False, max(1, wait - self.max_wait_ms))
+        self._buckets[(tenant_id, tool_name)] = (after, ts)
+        self._grants[idem_key] = now + wait
+        return RateAnswer(True, 0) if wait == 0 else RateAnswer(False, wait)

@@ -1,8 +1,9 @@
 """Policy decisions on tool calls: pure functions of recorded inputs and a versioned policy.
 
-An auditor replaying the log rebuilds the same `CallDecisionInputs` from RunAccepted,
-ToolCallRequested and ToolCallBudgeted (its recorded_at_ms), runs the policy of the recorded
-`policy_version`, and must get the same verdict and `inputs_hash`.
+An auditor replaying the log rebuilds the same inputs from RunAccepted, ToolCallRequested, the
+outcomes before the decision (taint) and ToolCallBudgeted (its recorded_at_ms), or from
+ApprovalDecided, or from ToolCallDeferred (the limiter's recorded answer); runs the policy of
+the recorded `policy_version`; and must get the same verdict and `inputs_hash`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,27 @@ from jsonschema.exceptions import SchemaError, best_match
 
 from tether_contracts.records import ApprovalOutcome, RiskClass, ToolSpec
 from tether_tool_gateway.domain.canonical import canonical_json, sha256_hex
+from tether_tool_gateway.domain.constraints import ConstraintsInvalid, check_constraints, parse_constraints
+from tether_tool_gateway.domain.policy_document import (
+    DAY_MS,
+    DEFAULT_APPROVAL_TTL_MS,
+    LoadedPolicy,
+    RateLimit,
+    default_policy,
+)
 
-DAY_MS = 24 * 60 * 60 * 1000
-DEFAULT_APPROVAL_TTL_MS = 7 * DAY_MS
+__all__ = [
+    "DAY_MS", "DEFAULT_APPROVAL_TTL_MS", "Allow", "ApprovalDecisionInputs", "BasicPolicy", "CallDecisionInputs",
+    "Decision", "Defer", "Deny", "Policy", "RateAnswer", "RateDecisionInputs", "RequireApproval", "TrustPolicy",
+    "Verdict", "approval_id_for", "inputs_hash", "validate_args",
+]
+
 _DETAIL_MAX = 500
+
+# Reasons an approval is needed (ApprovalRequested.reasons), in the order they are listed.
+POLICY = "POLICY"
+RISK_CLASS = "RISK_CLASS"
+TAINTED_EGRESS = "TAINTED_EGRESS"
 
 
 # -- inputs ------------------------------------------------------------------------------------
@@ -36,16 +54,39 @@ class CallDecisionInputs:
     tenant_grants: Sequence[str]
     agent_allowlist: Sequence[str]
     recorded_at_ms: int  # ToolCallBudgeted's recorded time: the decision's clock
+    tenant_id: str = ""
+    agent_id: str = ""
+    principal_id: str = ""
+    #: RunAccepted.delegated_scope: None = not delegated; a list restricts further (may be empty).
+    delegated_scope: Sequence[str] | None = None
+    #: Call ids of the untrusted results the log held before this decision (the run's taint).
+    tainted_by: Sequence[str] = ()
 
     def canonical(self) -> dict[str, Any]:
+        """The inputs as hashed: only what the decision reads, named explicitly (schema growth
+        of ToolSpec must not change the hash of an old decision)."""
+        t = self.tool
         return {
             "kind": "call",
+            "tenant_id": self.tenant_id,
+            "agent_id": self.agent_id,
+            "principal_id": self.principal_id,
             "tool_name": self.tool_name,
             "args_json": self.args_json,
             "args_hash": self.args_hash,
-            "tool": None if self.tool is None else self.tool.to_avro(),
+            "tool": None if t is None else {
+                "name": t.name,
+                "version": t.version,
+                "args_schema_json": t.args_schema_json,
+                "risk_class": t.risk_class.value,
+                "egress": t.egress,
+                "untrusted_source": t.untrusted_source,
+                "constraints_json": t.constraints_json,
+            },
             "tenant_grants": sorted(set(self.tenant_grants)),
             "agent_allowlist": sorted(set(self.agent_allowlist)),
+            "delegated_scope": None if self.delegated_scope is None else sorted(set(self.delegated_scope)),
+            "tainted_by": sorted(set(self.tainted_by)),
             "recorded_at_ms": self.recorded_at_ms,
         }
 
@@ -77,10 +118,45 @@ class ApprovalDecisionInputs:
         }
 
 
+@dataclass(frozen=True)
+class RateAnswer:
+    """What the rate limiter said; recorded, because the limiter's state is not in the log."""
+
+    allowed: bool
+    retry_after_ms: int = 0
+
+
+@dataclass(frozen=True)
+class RateDecisionInputs:
+    """An allowed call that had to ask the rate limiter, and its answer."""
+
+    tenant_id: str
+    tool_name: str
+    call_id: str
+    idem_key: str
+    attempt: int
+    limit: RateLimit
+    answer: RateAnswer
+    decided_at_ms: int
+
+    def canonical(self) -> dict[str, Any]:
+        return {
+            "kind": "rate_limit",
+            "tenant_id": self.tenant_id,
+            "tool_name": self.tool_name,
+            "call_id": self.call_id,
+            "idem_key": self.idem_key,
+            "attempt": self.attempt,
+            "limit": self.limit.canonical(),
+            "answer": {"allowed": self.answer.allowed, "retry_after_ms": self.answer.retry_after_ms},
+            "decided_at_ms": self.decided_at_ms,
+        }
+
+
 # -- verdicts ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Allow:
-    """Execute the call."""
+    """Execute the call (after the rate limiter, if the policy limits the tool)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +175,16 @@ class RequireApproval:
     expires_at_ms: int
 
 
-Verdict = Allow | Deny | RequireApproval
+@dataclass(frozen=True)
+class Defer:
+    """Rate limited: run the call again at `not_before_ms` (not a refusal)."""
+
+    reason_code: str
+    retry_after_ms: int
+    not_before_ms: int
+
+
+Verdict = Allow | Deny | RequireApproval | Defer
 
 
 @dataclass(frozen=True)
@@ -131,8 +216,16 @@ class Policy(Protocol):
         """Decide a parked call once its approval is decided: allow or deny."""
         ...
 
+    def rate_limit_for(self, tenant_id: str, tool_name: str) -> RateLimit | None:
+        """The rate limit an allowed call of this tenant and tool must pass, if any."""
+        ...
 
-# -- the basic policy --------------------------------------------------------------------------
+    def decide_rate(self, inputs: RateDecisionInputs) -> Decision:
+        """Allow, or defer to the time the limiter's recorded answer names."""
+        ...
+
+
+# -- shared rules ------------------------------------------------------------------------------
 @lru_cache(maxsize=256)
 def _validator(schema_json: str) -> Draft202012Validator:
     schema = json.loads(schema_json)
@@ -161,21 +254,57 @@ def validate_args(tool: ToolSpec, args_json: str) -> str | None:
     return _short(f"{where}: {error.message}")
 
 
+def _approval_verdict(i: ApprovalDecisionInputs) -> Verdict:
+    if i.decided_args_hash != i.call_args_hash:
+        return Deny("APPROVAL_REJECTED", "the approval was given for different arguments than the call's")
+    if i.outcome is ApprovalOutcome.EXPIRED:
+        return Deny("APPROVAL_EXPIRED", "nobody decided the approval before it expired")
+    if i.outcome is ApprovalOutcome.REJECTED:
+        why = f": {i.comment}" if i.comment else ""
+        return Deny("APPROVAL_REJECTED", _short(f"rejected by {i.approver_id}{why}"))
+    if i.decided_at_ms > i.approval_expires_at_ms:
+        return Deny("APPROVAL_EXPIRED", "the approval was given after it had expired")
+    return Allow()
+
+
+def _rate_verdict(i: RateDecisionInputs) -> Verdict:
+    if i.answer.allowed:
+        return Allow()
+    wait = max(1, i.answer.retry_after_ms)
+    return Defer("RATE_LIMITED", wait, i.decided_at_ms + wait)
+
+
+# -- the legacy basic policy -------------------------------------------------------------------
 @dataclass(frozen=True)
 class BasicPolicy:
-    """The basic trust-boundary policy: known tool, granted and allowlisted, valid arguments,
-    and a human approval for irreversible tools.
-
-    Capabilities here are tenant grants ∩ agent allowlist; delegated scope, taint, argument
-    constraints and rate limits belong to a later policy version behind the same port.
-    """
+    """The first policy (version basic/1): known tool, tenant grants ∩ agent allowlist, valid
+    arguments, and a human approval for irreversible tools. Kept so decisions recorded under
+    basic/1 can still be re-derived; new deployments use TrustPolicy."""
 
     version: str = "basic/1"
     approval_ttl_ms: int = DEFAULT_APPROVAL_TTL_MS
     approval_risk_classes: frozenset[RiskClass] = field(default_factory=lambda: frozenset({RiskClass.IRREVERSIBLE}))
 
+    @staticmethod
+    def canonical(i: CallDecisionInputs) -> dict[str, Any]:
+        tool = None
+        if i.tool is not None:
+            tool = i.tool.to_avro()
+            if tool.get("constraints_json") == "{}":
+                del tool["constraints_json"]  # the field did not exist when basic/1 decided
+        return {
+            "kind": "call",
+            "tool_name": i.tool_name,
+            "args_json": i.args_json,
+            "args_hash": i.args_hash,
+            "tool": tool,
+            "tenant_grants": sorted(set(i.tenant_grants)),
+            "agent_allowlist": sorted(set(i.agent_allowlist)),
+            "recorded_at_ms": i.recorded_at_ms,
+        }
+
     def decide_call(self, inputs: CallDecisionInputs) -> Decision:
-        return Decision(self._call_verdict(inputs), self.version, inputs_hash(self.version, inputs.canonical()))
+        return Decision(self._call_verdict(inputs), self.version, inputs_hash(self.version, self.canonical(inputs)))
 
     def _call_verdict(self, i: CallDecisionInputs) -> Verdict:
         if i.tool is None:
@@ -188,24 +317,86 @@ class BasicPolicy:
         if problem is not None:
             return Deny("INVALID_ARGS", problem)
         if i.tool.risk_class in self.approval_risk_classes:
-            return RequireApproval(("RISK_CLASS",), i.recorded_at_ms + self.approval_ttl_ms)
+            return RequireApproval((RISK_CLASS,), i.recorded_at_ms + self.approval_ttl_ms)
         return Allow()
 
     def decide_approval(self, inputs: ApprovalDecisionInputs) -> Decision:
-        return Decision(self._approval_verdict(inputs), self.version, inputs_hash(self.version, inputs.canonical()))
+        return Decision(_approval_verdict(inputs), self.version, inputs_hash(self.version, inputs.canonical()))
 
-    @staticmethod
-    def _approval_verdict(i: ApprovalDecisionInputs) -> Verdict:
-        if i.decided_args_hash != i.call_args_hash:
-            return Deny("APPROVAL_REJECTED", "the approval was given for different arguments than the call's")
-        if i.outcome is ApprovalOutcome.EXPIRED:
-            return Deny("APPROVAL_EXPIRED", "nobody decided the approval before it expired")
-        if i.outcome is ApprovalOutcome.REJECTED:
-            why = f": {i.comment}" if i.comment else ""
-            return Deny("APPROVAL_REJECTED", _short(f"rejected by {i.approver_id}{why}"))
-        if i.decided_at_ms > i.approval_expires_at_ms:
-            return Deny("APPROVAL_EXPIRED", "the approval was given after it had expired")
+    def rate_limit_for(self, tenant_id: str, tool_name: str) -> RateLimit | None:
+        return None
+
+    def decide_rate(self, inputs: RateDecisionInputs) -> Decision:
+        return Decision(_rate_verdict(inputs), self.version, inputs_hash(self.version, inputs.canonical()))
+
+
+# -- the trust policy --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrustPolicy:
+    """The trust boundary's policy, driven by a versioned policy document (docs/policy.md).
+
+    In order: unknown tool → UNKNOWN_TOOL; not in tenant grants ∩ agent allowlist ∩ delegated
+    scope → TOOL_NOT_ALLOWED; args hash or JSON Schema → INVALID_ARGS; the tool's argument
+    constraints → CONSTRAINT_VIOLATION; then a human is needed for any of POLICY (the document
+    names the tool), RISK_CLASS (the tool's class needs approval at the deployment, tenant or
+    agent level and no level waives the tool) and TAINTED_EGRESS (the run has read untrusted
+    content and the tool has egress); otherwise allow, subject to the rate limit.
+    """
+
+    loaded: LoadedPolicy = field(default_factory=default_policy)
+
+    @property
+    def version(self) -> str:
+        return self.loaded.policy_version
+
+    def decide_call(self, inputs: CallDecisionInputs) -> Decision:
+        return Decision(self._call_verdict(inputs), self.version, inputs_hash(self.version, inputs.canonical()))
+
+    def _call_verdict(self, i: CallDecisionInputs) -> Verdict:
+        tool = i.tool
+        if tool is None:
+            return Deny("UNKNOWN_TOOL", f"no tool named {i.tool_name!r} is registered for this run")
+        missing = []
+        if i.tool_name not in set(i.tenant_grants):
+            missing.append("not granted to this principal by the tenant")
+        if i.tool_name not in set(i.agent_allowlist):
+            missing.append("not on the agent's allowlist")
+        if i.delegated_scope is not None and i.tool_name not in set(i.delegated_scope):
+            missing.append("outside the run's delegated scope")
+        if missing:
+            return Deny("TOOL_NOT_ALLOWED", f"tool {i.tool_name!r} is {'; '.join(missing)}")
+        if sha256_hex(i.args_json) != i.args_hash:
+            return Deny("INVALID_ARGS", "args_hash does not match args_json")
+        problem = validate_args(tool, i.args_json)
+        if problem is not None:
+            return Deny("INVALID_ARGS", problem)
+        try:
+            constraints = parse_constraints(tool.constraints_json)
+        except ConstraintsInvalid as exc:
+            return Deny("CONSTRAINT_VIOLATION", _short(f"the tool's constraints cannot be checked: {exc}"))
+        violations = check_constraints(constraints, json.loads(i.args_json))
+        if violations:
+            return Deny("CONSTRAINT_VIOLATION", _short("; ".join(v.describe() for v in violations)))
+        need = self.loaded.approval_for(i.tenant_id, i.agent_id, i.tool_name)
+        reasons = []
+        if need.required_by_policy:
+            reasons.append(POLICY)
+        if tool.risk_class in need.risk_classes and not need.waived:
+            reasons.append(RISK_CLASS)
+        if tool.egress and i.tainted_by:
+            reasons.append(TAINTED_EGRESS)
+        if reasons:
+            return RequireApproval(tuple(reasons), i.recorded_at_ms + self.loaded.document.approval_ttl_ms)
         return Allow()
+
+    def decide_approval(self, inputs: ApprovalDecisionInputs) -> Decision:
+        return Decision(_approval_verdict(inputs), self.version, inputs_hash(self.version, inputs.canonical()))
+
+    def rate_limit_for(self, tenant_id: str, tool_name: str) -> RateLimit | None:
+        return self.loaded.rate_limit_for(tenant_id, tool_name)
+
+    def decide_rate(self, inputs: RateDecisionInputs) -> Decision:
+        return Decision(_rate_verdict(inputs), self.version, inputs_hash(self.version, inputs.canonical()))
 
 
 def approval_id_for(run_id: str, idem_key: str, args_hash: str) -> str:

@@ -7,6 +7,7 @@ from enum import StrEnum
 from pydantic import BaseModel, Field
 
 from tether_contracts.records import ToolSpec
+from tether_tool_gateway.domain.provenance import RUN_SOURCES_MAX_CHARS, Source, cap_source
 
 
 class CallStatus(StrEnum):
@@ -14,6 +15,7 @@ class CallStatus(StrEnum):
 
     REQUESTED = "REQUESTED"  # seen in the log; no budget yet
     AWAITING_APPROVAL = "AWAITING_APPROVAL"  # ApprovalRequested emitted; parked until ApprovalDecided
+    RATE_LIMITED = "RATE_LIMITED"  # allowed, but the rate limiter said wait; on_tick retries at not_before_ms
     EXECUTING = "EXECUTING"  # work started (or waiting for another instance's lease)
     RESOLVED = "RESOLVED"  # an outcome was emitted or seen in the log; nothing more to do
 
@@ -35,13 +37,47 @@ class CallState(BaseModel):
     #: When on_tick should start the call's work again if it is still EXECUTING (a wait for
     #: another instance's lease, a failed attempt to reach the ledger, or lost work).
     recheck_at_ms: int = 0
+    #: When a RATE_LIMITED call is tried again (ToolCallDeferred.not_before_ms).
+    not_before_ms: int = 0
+    #: How many times the rate limiter made the call wait (the next check is attempt + 1).
+    rate_attempts: int = 0
 
 
 class RunState(BaseModel):
-    """What the gateway keeps per run: the snapshots from RunAccepted and the calls."""
+    """What the gateway keeps per run: the snapshots from RunAccepted, the calls, and what the
+    run has read so far (taint and the texts provenance is searched in)."""
 
     tenant_id: str
+    principal_id: str = ""
+    agent_id: str = ""
     agent_allowlist: list[str] = Field(default_factory=list)
     tenant_grants: list[str] = Field(default_factory=list)
+    delegated_scope: list[str] | None = None
     tools: dict[str, ToolSpec] = Field(default_factory=dict)
     calls: dict[str, CallState] = Field(default_factory=dict)
+    #: Call ids whose untrusted output the log holds, in log order: the run is tainted once non-empty.
+    tainted_by: list[str] = Field(default_factory=list)
+    #: The goal, then tool results in log order, as provenance searches them (capped; see
+    #: domain.provenance).
+    sources: list[Source] = Field(default_factory=list)
+
+    def sources_chars(self) -> int:
+        return sum(len(s.text or "") for s in self.sources)
+
+    def read_goal(self, goal: str) -> None:
+        """The goal is the first text provenance searches (the principal's own words)."""
+        self.sources = [cap_source(Source(origin="goal", text=goal), RUN_SOURCES_MAX_CHARS),
+                        *(s for s in self.sources if s.origin != "goal")]
+
+    def read_result(self, call_id: str, tool_name: str, text: str | None, *, untrusted: bool) -> None:
+        """The log holds an outcome the model will read: untrusted content taints the run.
+
+        `text` is None when the result is not available to search (a claim check). Idempotent.
+        """
+        if untrusted and call_id not in self.tainted_by:
+            self.tainted_by.append(call_id)
+        origin = f"tool:{call_id}"
+        if any(s.origin == origin for s in self.sources):
+            return
+        source = Source(origin=origin, tool_name=tool_name, untrusted=untrusted, text=text)
+        self.sources.append(cap_source(source, RUN_SOURCES_MAX_CHARS - self.sources_chars()))

@@ -1,0 +1,171 @@
+"""The versioned policy document: which calls need a human, and the rate limits per (tenant, tool).
+
+The document is JSON written by operators (docs/policy.md). Its `policy_version` is
+`<version>@<sha256 of the document's canonical JSON, 12 hex>`, so a document edited without a
+version bump still gets a new policy version, and an auditor holding the file can tell it is
+the one a decision event names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tether_contracts.records import RiskClass
+from tether_tool_gateway.domain.canonical import canonical_json, sha256_hex
+
+DAY_MS = 24 * 60 * 60 * 1000
+DEFAULT_APPROVAL_TTL_MS = 7 * DAY_MS
+WILDCARD = "*"
+
+
+class PolicyDocumentInvalid(ValueError):
+    """The policy document is not valid JSON or does not follow docs/policy.md."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ApprovalRules(_Strict):
+    """Approval rules at one level (the whole deployment, a tenant, or one agent of a tenant).
+
+    Levels combine by union: a level can add requirements and waivers, never remove another
+    level's requirement; an explicit requirement (`require_tools`) beats every waiver.
+    """
+
+    require_risk_classes: list[RiskClass] = Field(default_factory=list,
+                                                  description="Risk classes whose calls need a human.")
+    require_tools: list[str] = Field(default_factory=list,
+                                     description="Tools that always need a human (reason POLICY).")
+    waive_tools: list[str] = Field(default_factory=list,
+                                   description="Tools whose risk-class approval is waived (an operator decision).")
+
+
+class TenantPolicy(ApprovalRules):
+    """A tenant's approval rules, and its agents' own rules by agent id."""
+
+    agents: dict[str, ApprovalRules] = Field(default_factory=dict)
+
+
+class RateLimit(_Strict):
+    """A token bucket: `limit` calls per `per_s` seconds on average, bursts of up to `burst`."""
+
+    tenant: str = WILDCARD
+    tool: str = WILDCARD
+    limit: int = Field(ge=1)
+    per_s: float = Field(gt=0)
+    burst: int | None = Field(None, ge=1, description="Bucket size; defaults to `limit`.")
+
+    @property
+    def capacity(self) -> int:
+        return self.burst if self.burst is not None else self.limit
+
+    @property
+    def rate_per_s(self) -> float:
+        return self.limit / self.per_s
+
+    def canonical(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "tool": self.tool, "limit": self.limit, "per_s": self.per_s,
+                "capacity": self.capacity}
+
+
+class PolicyDocument(_Strict):
+    """The whole policy (docs/policy.md)."""
+
+    version: str = Field(min_length=1, max_length=100)
+    approval: ApprovalRules = Field(default_factory=lambda: ApprovalRules(require_risk_classes=[RiskClass.IRREVERSIBLE]))
+    tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
+    rate_limits: list[RateLimit] = Field(default_factory=list)
+    approval_ttl_ms: int = Field(DEFAULT_APPROVAL_TTL_MS, ge=1)
+
+    @field_validator("version")
+    @classmethod
+    def _no_at(cls, v: str) -> str:
+        if "@" in v:
+            raise ValueError("the version must not contain '@' (policy_version appends '@<hash>')")
+        return v
+
+    @model_validator(mode="after")
+    def _one_limit_per_pair(self) -> PolicyDocument:
+        pairs = [(r.tenant, r.tool) for r in self.rate_limits]
+        dupes = sorted({p for p in pairs if pairs.count(p) > 1})
+        if dupes:
+            raise ValueError(f"more than one rate limit for (tenant, tool) {dupes}")
+        return self
+
+
+@dataclass(frozen=True)
+class ApprovalRequirement:
+    """What the levels that apply to one (tenant, agent, tool) say, combined."""
+
+    risk_classes: frozenset[RiskClass]
+    required_by_policy: bool
+    waived: bool
+
+
+@dataclass(frozen=True)
+class LoadedPolicy:
+    """A parsed document and its policy version."""
+
+    document: PolicyDocument
+    policy_version: str
+
+    def approval_for(self, tenant_id: str, agent_id: str, tool_name: str) -> ApprovalRequirement:
+        levels: list[ApprovalRules] = [self.document.approval]
+        tenant = self.document.tenants.get(tenant_id)
+        if tenant is not None:
+            levels.append(tenant)
+            agent = tenant.agents.get(agent_id)
+            if agent is not None:
+                levels.append(agent)
+        return ApprovalRequirement(
+            risk_classes=frozenset(c for level in levels for c in level.require_risk_classes),
+            required_by_policy=any(tool_name in level.require_tools for level in levels),
+            waived=any(tool_name in level.waive_tools for level in levels),
+        )
+
+    def rate_limit_for(self, tenant_id: str, tool_name: str) -> RateLimit | None:
+        """The most specific limit: (tenant, tool), (tenant, *), (*, tool), then (*, *)."""
+        by_pair = {(r.tenant, r.tool): r for r in self.document.rate_limits}
+        for pair in ((tenant_id, tool_name), (tenant_id, WILDCARD), (WILDCARD, tool_name), (WILDCARD, WILDCARD)):
+            if pair in by_pair:
+                return by_pair[pair]
+        return None
+
+
+def policy_version_of(raw: Mapping[str, Any]) -> str:
+    """`<version>@<12 hex of sha256(canonical JSON of the document as written)>`."""
+    return f"{raw.get('version')}@{sha256_hex(canonical_json(raw))[:12]}"
+
+
+def parse_policy(text: str) -> LoadedPolicy:
+    """Parse and validate a policy document; raises PolicyDocumentInvalid."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PolicyDocumentInvalid(f"the policy document is not JSON: {exc.msg} at line {exc.lineno}") from exc
+    if not isinstance(raw, dict):
+        raise PolicyDocumentInvalid("the policy document must be a JSON object")
+    try:
+        doc = PolicyDocument.model_validate(raw)
+    except ValidationError as exc:
+        raise PolicyDocumentInvalid(f"the policy document is invalid: {exc}") from exc
+    return LoadedPolicy(doc, policy_version_of(raw))
+
+
+#: Used when no document is configured: irreversible tools need a human, no rate limits.
+DEFAULT_POLICY_TEXT = '{"version": "default/1"}'
+
+
+def default_policy() -> LoadedPolicy:
+    return parse_policy(DEFAULT_POLICY_TEXT)
+
+
+def index_by_version(policies: Iterable[LoadedPolicy]) -> dict[str, LoadedPolicy]:
+    """Policies by policy_version (what an auditor looks a decision's policy up by)."""
+    return {p.policy_version: p for p in policies}

@@ -1,0 +1,150 @@
+"""Where each argument of a call came from, derived by the gateway from the log alone.
+
+Sources, in log order: the run's goal (RunAccepted.goal) and each earlier tool result
+(ToolCallCompleted.result_json, its string values). For every string argument (a JSON
+pointer): a value of at least MIN_EXACT_CHARS found whole in a source is an exact match; else
+every WINDOW-character piece of it found in a source counts towards a partial match. The origin
+is the goal if the whole value is in it, else the latest tool result holding the whole value,
+else the source covering the most characters, else "model". `untrusted` is true when any
+matching source is untrusted, so an approver sees data flowing from a fetched page even when
+the goal also mentions it. Results stored out of band (claim checks) or cut to fit the state are
+listed as `unsearched`/`truncated`: provenance is evidence for a human, never the boundary.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pydantic import BaseModel
+
+#: Shorter values ("en", "10") occur everywhere by chance; they are not attributed.
+MIN_EXACT_CHARS = 4
+#: Pieces of a longer value are attributed in windows of this many characters.
+WINDOW = 8
+#: Kept per source and per run in the gateway's state (the changelog must stay small).
+SOURCE_MAX_CHARS = 16 * 1024
+RUN_SOURCES_MAX_CHARS = 128 * 1024
+
+
+class Source(BaseModel):
+    """Text an argument may have been copied from: the goal or one tool result."""
+
+    origin: str  # "goal" or "tool:<call_id>"
+    tool_name: str = ""
+    untrusted: bool = False
+    text: str | None = None  # None: not available to search (stored out of band)
+    truncated: bool = False
+
+
+def result_text(result_json: str) -> str:
+    """The string values (and keys) of a JSON result, newline-separated: what a copy would come from."""
+    try:
+        value = json.loads(result_json)
+    except json.JSONDecodeError:
+        return result_json
+    return "\n".join(_strings(value))
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k in sorted(value):
+            yield str(k)
+            yield from _strings(value[k])
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+    elif value is not None and not isinstance(value, bool):
+        yield json.dumps(value)
+
+
+def cap_source(source: Source, room: int) -> Source:
+    """The source cut to SOURCE_MAX_CHARS and to the room left in the run's budget of text."""
+    if source.text is None:
+        return source
+    limit = max(0, min(SOURCE_MAX_CHARS, room))
+    if len(source.text) <= limit:
+        return source
+    return source.model_copy(update={"text": source.text[:limit], "truncated": True})
+
+
+def _leaves(value: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    if isinstance(value, dict):
+        for k in sorted(value):
+            yield from _leaves(value[k], f"{path}/{str(k).replace('~', '~0').replace('/', '~1')}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{path}/{i}")
+    elif isinstance(value, str):
+        yield path, value
+
+
+def _covered(value: str, grams: set[str]) -> int:
+    hit = bytearray(len(value))
+    for i in range(len(value) - WINDOW + 1):
+        if value[i: i + WINDOW] in grams:
+            hit[i: i + WINDOW] = b"\x01" * WINDOW
+    return sum(hit)
+
+
+def provenance(args: Any, sources: Sequence[Source]) -> dict[str, Any]:
+    """The provenance map shown to an approver (see the module docstring); deterministic."""
+    searchable = [s for s in sources if s.text]
+    grams_cache: dict[int, set[str]] = {}
+
+    def grams(i: int) -> set[str]:
+        if i not in grams_cache:
+            text = searchable[i].text or ""
+            grams_cache[i] = {text[k: k + WINDOW] for k in range(len(text) - WINDOW + 1)}
+        return grams_cache[i]
+
+    out: dict[str, Any] = {}
+    for path, value in _leaves(args):
+        if len(value) < MIN_EXACT_CHARS:
+            continue
+        matches: list[tuple[Source, str, int]] = []
+        for i, src in enumerate(searchable):
+            if value in (src.text or ""):
+                matches.append((src, "exact", len(value)))
+            elif len(value) >= WINDOW:
+                covered = _covered(value, grams(i))
+                if covered:
+                    matches.append((src, "partial", covered))
+        out[path] = _entry(value, matches)
+    unsearched = [s.origin for s in sources if s.text is None]
+    truncated = [s.origin for s in sources if s.truncated]
+    result: dict[str, Any] = {"args": out}
+    if unsearched:
+        result["unsearched"] = unsearched
+    if truncated:
+        result["truncated"] = truncated
+    return result
+
+
+def _entry(value: str, matches: list[tuple[Source, str, int]]) -> dict[str, Any]:
+    if not matches:
+        return {"origin": "model"}
+    exact = [m for m in matches if m[1] == "exact"]
+    goal = [m for m in exact if m[0].origin == "goal"]
+    if goal:
+        primary = goal[0]
+    elif exact:
+        primary = exact[-1]  # the latest result holding the whole value
+    else:
+        best = max(m[2] for m in matches)
+        primary = [m for m in matches if m[2] == best][-1]
+    entry: dict[str, Any] = {
+        "origin": primary[0].origin,
+        "match": primary[1],
+        "untrusted": any(m[0].untrusted for m in matches),
+    }
+    if primary[1] == "partial":
+        entry["covered_chars"] = primary[2]
+        entry["chars"] = len(value)
+    others = [m[0].origin for m in matches if m is not primary]
+    if others:
+        entry["also"] = others
+    return entry
