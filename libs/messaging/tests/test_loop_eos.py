@@ -120,12 +120,51 @@ def _produce_inputs(bootstrap: str, topic: str) -> dict[str, list[str]]:
     return expected
 
 
-@pytest.mark.integration
-def test_outputs_exactly_once_in_order_across_sigkills(kafka_bootstrap: str, topic_prefix: str, tmp_path: Path) -> None:
+class Fleet:
+    """The processor instances of one test, by instance slot, all logging to one file."""
+
+    def __init__(self, env: dict[str, str], logs: Path) -> None:
+        self.env = env
+        self.logs = logs
+        self.log_file = logs.open("ab")
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def note(self, text: str) -> None:
+        self.log_file.write(f"--- {text} ---\n".encode())
+        self.log_file.flush()
+
+    def start(self, slot: int) -> None:
+        env = {**self.env, "TETHER_EOS_INSTANCE_ID": str(slot)}
+        self.procs[slot] = subprocess.Popen(
+            [sys.executable, str(PROCESSOR)], env=env, stdout=self.log_file, stderr=self.log_file
+        )
+
+    def kill(self, slot: int) -> None:
+        proc = self.procs.pop(slot)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+
+    def terminate(self, slot: int) -> None:
+        """SIGTERM: the instance commits its batch, leaves the group and must exit 0."""
+        proc = self.procs.pop(slot)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+        assert code == 0, f"instance {slot} exited {code} on SIGTERM; log tail:\n{_tail(self.logs)}"
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+        self.log_file.close()
+
+
+def _run_and_check(kafka_bootstrap: str, topic_prefix: str, tmp_path: Path, plan: list[str]) -> None:
+    """Feed TOTAL inputs, start slot 0, apply one action of `plan` at each of len(plan) random
+    output counts, finish, stop gracefully, then check every output."""
     topics = Topics(topic_prefix)
     declare_topics(kafka_bootstrap, PARTITIONS, ["eos"], prefix=topic_prefix)
     expected = _produce_inputs(kafka_bootstrap, topics.commands)
-
     env = {
         **os.environ,
         "TETHER_KAFKA_BOOTSTRAP": kafka_bootstrap,
@@ -138,38 +177,37 @@ def test_outputs_exactly_once_in_order_across_sigkills(kafka_bootstrap: str, top
         "TETHER_EOS_WORK_SLEEP_MS": "20",
     }
     logs = tmp_path / "processor.log"
-    log_file = logs.open("ab")
-
-    def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, str(PROCESSOR)], env=env, stdout=log_file, stderr=log_file)
-
+    fleet = Fleet(env, logs)
     reader = OutputReader(kafka_bootstrap, topics.run_events)
     rng = random.Random()
-    thresholds = sorted(rng.sample(range(500, TOTAL - 1500), KILLS))
-    proc = start()
+    thresholds = sorted(rng.sample(range(500, TOTAL - 1500), len(plan)))
+    acted_at = []
+    fleet.start(0)
     try:
-        killed_at = []
-        for threshold in thresholds:
-            reader.wait_for(threshold, f"kill point {threshold}", logs)
+        for threshold, action in zip(thresholds, plan, strict=True):
+            reader.wait_for(threshold, f"{action} at {threshold}", logs)
             time.sleep(rng.uniform(0, 0.3))  # land anywhere inside a batch or a transaction
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
-            killed_at.append(len(reader.records))
-            log_file.write(f"--- SIGKILL after {len(reader.records)} committed outputs ---\n".encode())
-            log_file.flush()
-            proc = start()
+            verb, slot = action.split(":")
+            acted_at.append(len(reader.records))
+            fleet.note(f"{action} after {len(reader.records)} committed outputs")
+            if verb == "kill":
+                fleet.kill(int(slot))
+                fleet.start(int(slot))
+            elif verb == "start":
+                fleet.start(int(slot))
+            elif verb == "term":
+                fleet.terminate(int(slot))
+            else:
+                raise ValueError(action)
         reader.wait_for(TOTAL, "all outputs", logs)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, f"graceful stop failed; log tail:\n{_tail(logs)}"
+        for slot in list(fleet.procs):
+            fleet.terminate(slot)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        log_file.close()
+        fleet.close()
     reader.drain()
     reader.consumer.close()
 
-    assert len(killed_at) == KILLS and all(k < TOTAL for k in killed_at), killed_at
+    assert all(n < TOTAL for n in acted_at), f"an action came after all outputs: {acted_at}"
     per_run: dict[str, list[tuple[int, str | None, str]]] = defaultdict(list)
     for _partition, _offset, envelope in sorted(reader.records, key=lambda r: (r[0], r[1])):
         step = open_payload(envelope).step
@@ -177,6 +215,20 @@ def test_outputs_exactly_once_in_order_across_sigkills(kafka_bootstrap: str, top
     assert sorted(per_run) == sorted(expected)
     for run, outputs in per_run.items():
         counters = [o[0] for o in outputs]
-        assert counters == list(range(1, INPUTS_PER_RUN + 1)), f"{run}: counters not contiguous/unique: {counters[:20]}..."
+        assert counters == list(range(1, INPUTS_PER_RUN + 1)), f"{run}: counters not contiguous/unique: {counters}"
         assert [o[1] for o in outputs] == expected[run], f"{run}: outputs not one per input, in input order"
     assert len(reader.records) == TOTAL
+
+
+@pytest.mark.integration
+def test_outputs_exactly_once_in_order_across_sigkills(kafka_bootstrap: str, topic_prefix: str, tmp_path: Path) -> None:
+    _run_and_check(kafka_bootstrap, topic_prefix, tmp_path, ["kill:0"] * KILLS)
+
+
+@pytest.mark.integration
+def test_outputs_exactly_once_across_scale_out_kill_and_scale_in(
+    kafka_bootstrap: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    # A second instance takes half the partitions (states move through the changelog), the
+    # first dies mid-transaction, comes back, then the second leaves gracefully.
+    _run_and_check(kafka_bootstrap, topic_prefix, tmp_path, ["start:1", "kill:0", "kill:1", "term:1"])
