@@ -25,19 +25,24 @@ SCENARIO = "[scenario:e2e-three-tools]"
 TERMINAL_STATUSES = {runs_pb.RUN_STATUS_COMPLETED, runs_pb.RUN_STATUS_TERMINATED, runs_pb.RUN_STATUS_REJECTED}
 
 
-def processes_with_env(entry: str) -> list[int]:
-    """PIDs of live processes whose environment holds `entry` (e.g. TETHER_TOPIC_PREFIX=<ns>.)."""
-    needle = entry.encode() + b"\0"
+def live_processes(*, env_entry: str | None = None, in_cmdline: str | None = None) -> list[int]:
+    """PIDs of live processes whose environment holds `env_entry` (e.g. TETHER_TOPIC_PREFIX=<ns>.) or
+    whose command line contains `in_cmdline` (e.g. a work directory its arguments name)."""
     found = []
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    continue
             with open(f"/proc/{pid}/environ", "rb") as fh:
-                if needle in fh.read() + b"\0":
-                    with open(f"/proc/{pid}/stat") as st:
-                        if st.read().rsplit(")", 1)[1].split()[0] not in "ZX":
-                            found.append(pid)
+                environ = fh.read().split(b"\0")
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmdline = fh.read().replace(b"\0", b" ")
         except OSError:
             continue
+        if (env_entry is not None and env_entry.encode() in environ) or \
+                (in_cmdline is not None and in_cmdline.encode() in cmdline):
+            found.append(pid)
     return found
 
 
@@ -54,7 +59,8 @@ def tether_system(kafka_bootstrap: str, pg_dsn: str, redis_url: str,
         yield system
     finally:
         system.stop()
-        leftovers = processes_with_env(f"TETHER_TOPIC_PREFIX={system.names.topic_prefix}")
+        leftovers = live_processes(env_entry=f"TETHER_TOPIC_PREFIX={system.names.topic_prefix}",
+                                   in_cmdline=str(system.workdir))
         system.drop_data()
     assert not leftovers, f"processes of the system still running after stop(): {leftovers}"
 
@@ -149,3 +155,9 @@ class Runs:
 @pytest.fixture
 def runs(tether_system: TetherSystem) -> Runs:
     return Runs(tether_system)
+
+
+@pytest.fixture
+def processes_of():
+    """`processes_of(env_entry=..., in_cmdline=...)`: see live_processes."""
+    return live_processes
