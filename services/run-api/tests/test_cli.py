@@ -117,8 +117,11 @@ def test_approve_quotes_the_hash_it_showed(env: Services) -> None:
     run_id = "01ARZ3NDEKTSV4RRFFQ69G5FAV"  # submitted by someone else: alice may approve its calls
     env.read_model.runs[("acme", run_id)] = RunView(run_id, RunStatus.WAITING, principal_id="carol")
     env.read_model.approvals[("acme", "ap-1")] = ApprovalView(
-        "ap-1", run_id, "1.0", "c" * 64, "PENDING", tool_name="send_email", args_json='{"to": "a@b.c"}',
+        "ap-1", run_id, "1.0", "c" * 64, "PENDING", tool_name="send_email",
+        args_json='{"to": "a@b.c", "body": "' + "x" * 300 + '"}',
         expires_at_ms=4_000_000_000_000)
+    listed = json.loads(invoke("--json", "approvals", "list").stdout)  # long lines must not be wrapped
+    assert listed["approvals"][0]["args_json"] == '{"to": "a@b.c", "body": "' + "x" * 300 + '"}'
     result = invoke("approvals", "approve", "ap-1", "--yes", "--comment", "fine")
     assert result.exit_code == 0, result.output
     assert "a@b.c" in result.output and "approved ap-1" in result.output

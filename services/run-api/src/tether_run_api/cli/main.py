@@ -104,9 +104,9 @@ def run(
     resp = _submit_with_retry(client, request)
     if not watch:
         if _json():
-            render.console.print(render.as_json(resp), markup=False)
+            render.print_json(resp)
         else:
-            render.console.print(resp.run_id, markup=False)
+            render.print_line(resp.run_id)
         return
     render.err_console.print(f"run {resp.run_id} (agent {agent} v{resp.agent_version})")
     _watch_and_report(client, resp.run_id, 1)
@@ -144,7 +144,7 @@ def _watch_and_report(client: Client, run_id: str, from_seq: int) -> None:
         raise typer.Exit(130) from None
     final = _final_run(client, run_id, last)
     if _json():
-        render.console.print(render.as_json(final), markup=False)
+        render.print_json(final)
     else:
         render.show_run(final)
     if final.status != runs_pb.RUN_STATUS_COMPLETED:
@@ -153,8 +153,8 @@ def _watch_and_report(client: Client, run_id: str, from_seq: int) -> None:
 
 def _print_event(event: runs_pb.RunEvent) -> None:
     if _json():
-        render.console.print(json.dumps({"seq": event.seq, "event_type": event.event_type,
-                                         "payload": json.loads(event.payload_json or "{}")}), markup=False)
+        render.print_line(json.dumps({"seq": event.seq, "event_type": event.event_type,
+                                      "payload": json.loads(event.payload_json or "{}")}))
         return
     start = _STATE.setdefault("start_ms", event.record_time.ToMilliseconds())
     render.err_console.print(render.event_line(event, start), markup=False)
@@ -211,7 +211,7 @@ def get(run_id: Annotated[str, typer.Argument(help="run id")]) -> None:
     client = _client()
     r = client.call(client.runs.GetRun, runs_pb.GetRunRequest(run_id=run_id)).run
     if _json():
-        render.console.print(render.as_json(r), markup=False)
+        render.print_json(r)
     else:
         render.show_run(r)
 
@@ -221,7 +221,10 @@ def runs(page_size: Annotated[int, typer.Option(help="runs to show")] = 20) -> N
     """List recent runs, newest first."""
     client = _client()
     resp = client.call(client.runs.ListRuns, runs_pb.ListRunsRequest(page_size=page_size))
-    render.console.print(render.as_json(resp) if _json() else render.runs_table(list(resp.runs)))
+    if _json():
+        render.print_json(resp)
+    else:
+        render.console.print(render.runs_table(list(resp.runs)))
 
 
 @app.command()
@@ -237,7 +240,7 @@ def steps(run_id: Annotated[str, typer.Argument(help="run id")]) -> None:
         if not token:
             break
     if _json():
-        render.console.print(render.as_json(runs_pb.ListRunStepsResponse(steps=out)), markup=False)
+        render.print_json(runs_pb.ListRunStepsResponse(steps=out))
     else:
         render.console.print(render.steps_table(out))
 
@@ -248,7 +251,7 @@ def trace(run_id: Annotated[str, typer.Argument(help="run id")]) -> None:
     client = _client()
     resp = client.call(client.runs.GetRunTrace, runs_pb.GetRunTraceRequest(run_id=run_id))
     if _json():
-        render.console.print(render.as_json(resp), markup=False)
+        render.print_json(resp)
         return
     events, spans = render.trace_tables(resp)
     render.console.print(events)
@@ -285,7 +288,10 @@ def approvals_list(
     resp = client.call(client.approvals.ListApprovals,
                        approvals_pb.ListApprovalsRequest(status=_APPROVAL_STATUS[status], run_id=run_id,
                                                          page_size=200))
-    render.console.print(render.as_json(resp) if _json() else render.approvals_table(list(resp.approvals)))
+    if _json():
+        render.print_json(resp)
+    else:
+        render.console.print(render.approvals_table(list(resp.approvals)))
 
 
 @approvals_app.command("show")
@@ -294,7 +300,7 @@ def approvals_show(approval_id: Annotated[str, typer.Argument(help="approval id"
     client = _client()
     a = client.call(client.approvals.GetApproval, approvals_pb.GetApprovalRequest(approval_id=approval_id)).approval
     if _json():
-        render.console.print(render.as_json(a), markup=False)
+        render.print_json(a)
     else:
         render.show_approval(a)
 
@@ -358,7 +364,10 @@ def agents_list() -> None:
     """List agents (latest versions)."""
     client = _client()
     resp = client.call(client.agents.ListAgents, agents_pb.ListAgentsRequest(page_size=500))
-    render.console.print(render.as_json(resp) if _json() else render.agents_table(list(resp.agents)))
+    if _json():
+        render.print_json(resp)
+    else:
+        render.console.print(render.agents_table(list(resp.agents)))
 
 
 @agents_app.command("get")
@@ -366,7 +375,7 @@ def agents_get(agent_id: str, version: Annotated[int, typer.Option(help="0 = lat
     """Show one agent version."""
     client = _client()
     a = client.call(client.agents.GetAgent, agents_pb.GetAgentRequest(agent_id=agent_id, version=version)).agent
-    render.console.print(render.as_json(a), markup=False)
+    render.print_json(a)
 
 
 @agents_app.command("create")
@@ -405,7 +414,10 @@ def tools_list(show_disabled: Annotated[bool, typer.Option(help="include disable
     """List tools (latest versions)."""
     client = _client()
     resp = client.call(client.tools.ListTools, tools_pb.ListToolsRequest(page_size=500, show_disabled=show_disabled))
-    render.console.print(render.as_json(resp) if _json() else render.tools_table(list(resp.tools)))
+    if _json():
+        render.print_json(resp)
+    else:
+        render.console.print(render.tools_table(list(resp.tools)))
 
 
 @tools_app.command("get")
@@ -413,7 +425,7 @@ def tools_get(name: str, version: Annotated[int, typer.Option(help="0 = latest")
     """Show one tool version."""
     client = _client()
     t = client.call(client.tools.GetTool, tools_pb.GetToolRequest(name=name, version=version)).tool
-    render.console.print(render.as_json(t), markup=False)
+    render.print_json(t)
 
 
 @tools_app.command("register")
@@ -479,7 +491,7 @@ def admin_create_key(
     from tether_run_api import admin
 
     key = admin.issue_key(_store(), tenant_id, principal_id, role, label=label)
-    render.console.print(key.api_key, markup=False)
+    render.print_line(key.api_key)
 
 
 @admin_app.command("grant")
@@ -539,7 +551,7 @@ def admin_bootstrap_demo(
         env_file.write_text("".join(f"{line}\n" for line in lines))
         env_file.chmod(0o600)
     for line in lines:
-        render.console.print(f"export {line}", markup=False)
+        render.print_line(f"export {line}")
 
 
 def main() -> None:

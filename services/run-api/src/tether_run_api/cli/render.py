@@ -27,6 +27,16 @@ def as_json(message: Message) -> str:
     return json.dumps(MessageToDict(message, preserving_proto_field_name=True), indent=2, sort_keys=True)
 
 
+def print_json(message: Message) -> None:
+    """JSON on stdout, unwrapped and unstyled (rich would wrap long lines inside strings)."""
+    print(as_json(message), flush=True)
+
+
+def print_line(text: str) -> None:
+    """A plain line on stdout (run ids, JSON lines) for scripts."""
+    print(text, flush=True)
+
+
 def run_status(status: int) -> str:
     return runs_pb.RunStatus.Name(status).removeprefix("RUN_STATUS_")
 
