@@ -123,7 +123,8 @@ _CREDENTIAL_KEY = re.compile(rf"^[\w.-]*?(?:{_CREDENTIAL_WORDS})$", re.IGNORECAS
 # Values that are placeholders or references, not secrets.
 _PLACEHOLDER = re.compile(
     r"^(?:null|none|nil|true|false|undefined|empty|redacted|masked|hidden|changeme|example|required|optional|"
-    r"string|str|bytes|int|bool|bearer|basic|digest|negotiate|\*+|x{3,}|\.{3}|<[^>]*>|\$\{[^}]*\}|\$[A-Z_][A-Z0-9_]*|\{\{.*\}\}|%\(\w+\)s|"
+    r"string|str|bytes|int|bool|bearer|basic|digest|negotiate|"
+    r"\*+|x{3,}|\.{3}|<[^>]*>|\$\{[^}]*\}|\$[A-Z_][A-Z0-9_]*|\{\{.*\}\}|%\(\w+\)s|"
     r"secret://\S*|\[REDACTED[^\]]*\]?.*)$",
     re.IGNORECASE,
 )
@@ -138,12 +139,14 @@ class _Rule:
 
 _RULES: tuple[_Rule, ...] = (
     _Rule("private_key", re.compile(
-        r"-----BEGIN[A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----[\s\S]*?(?:-----END[A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----|\Z)")),
+        r"-----BEGIN[A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----[\s\S]*?"
+        r"(?:-----END[A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----|\Z)")),
     _Rule("jwt", re.compile(r"\beyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*")),
     _Rule("aws_access_key_id", re.compile(r"\b(?:AKIA|ASIA|ABIA|ACCA|A3T[A-Z0-9])[A-Z0-9]{16}\b")),
     _Rule("github_token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{22,255})\b")),
     _Rule("slack_token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,250}")),
-    _Rule("slack_webhook", re.compile(r"https://hooks\.slack\.com/services/T[A-Za-z0-9_]+/B[A-Za-z0-9_]+/[A-Za-z0-9_]+")),
+    _Rule("slack_webhook",
+          re.compile(r"https://hooks\.slack\.com/services/T[A-Za-z0-9_]+/B[A-Za-z0-9_]+/[A-Za-z0-9_]+")),
     _Rule("stripe_key", re.compile(r"\b(?:sk|rk)_(?:live|test)_[A-Za-z0-9]{10,247}\b")),
     _Rule("google_api_key", re.compile(r"\bAIza[0-9A-Za-z_-]{35}\b")),
     _Rule("npm_token", re.compile(r"\bnpm_[A-Za-z0-9]{36}\b")),
@@ -152,11 +155,13 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("api_key", re.compile(r"\bsk-(?:ant-|proj-)?[A-Za-z0-9_-]{20,}")),
     _Rule("url_password", re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@'\"]+:(?P<v>[^\s@/'\"]+)@"), "v"),
     _Rule("bearer_token", re.compile(r"(?i)\bbearer\s+(?P<v>[A-Za-z0-9\-._~+/]{8,}=*)"), "v"),
-    _Rule("basic_auth", re.compile(r"(?i)\bauthorization[\"']?\s*[:=]\s*[\"']?basic\s+(?P<v>[A-Za-z0-9+/]{4,}=*)"), "v"),
+    _Rule("basic_auth",
+          re.compile(r"(?i)\bauthorization[\"']?\s*[:=]\s*[\"']?basic\s+(?P<v>[A-Za-z0-9+/]{4,}=*)"), "v"),
     # `api_key=...`, `"password": "..."`, `X-Api-Key: ...`: only the value is redacted.
     _Rule("credential", re.compile(
         rf"(?i)(?:{_CREDENTIAL_WORDS})(?![\w])[\"']?\s*(?:=>|:=|=|:(?!//))\s*"
-        r"(?:\"(?P<dq>(?:[^\"\\\n]|\\.){1,512})\"|'(?P<sq>[^'\n]{1,512})'|(?P<bare>\$\{[^}\s]*\}|[^\s,;&'\"<>()\[\]{}]{1,512}))"),
+        r"(?:\"(?P<dq>(?:[^\"\\\n]|\\.){1,512})\"|'(?P<sq>[^'\n]{1,512})'|"
+        r"(?P<bare>\$\{[^}\s]*\}|[^\s,;&'\"<>()\[\]{}]{1,512}))"),
         "value"),
 )
 

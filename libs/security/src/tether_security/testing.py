@@ -1,4 +1,4 @@
-"""Test support: deterministic canary secrets, their 8 encodings, and a corpus of benign log records to plant them in."""
+"""Test support: deterministic canary secrets, their 8 encodings, and benign log records to plant them in."""
 
 from __future__ import annotations
 
@@ -94,8 +94,10 @@ def _benign(rng: random.Random, i: int) -> str:
         f'{ts} INFO {svc} step granted run_id={run} step={step} remaining_tokens={rng.randrange(10**5)}',
         f'{{"ts": "{ts}", "level": "info", "service": "{svc}", "event": "envelope appended", "run_id": "{run}", '
         f'"event_id": "{digest}", "seq": {rng.randrange(10**6)}}}',
-        f'{ts} DEBUG tool-gateway call_id={step}.{call} args_hash={digest} idem_key={hashlib.sha256(digest.encode()).hexdigest()}',
-        f'{ts} INFO http GET /v1/runs/{run}/events?page={rng.randrange(9)}&limit=50 status=200 duration_ms={rng.randrange(900)}',
+        f'{ts} DEBUG tool-gateway call_id={step}.{call} args_hash={digest} '
+        f'idem_key={hashlib.sha256(digest.encode()).hexdigest()}',
+        f'{ts} INFO http GET /v1/runs/{run}/events?page={rng.randrange(9)}&limit=50 status=200 '
+        f'duration_ms={rng.randrange(900)}',
         f'{ts} WARNING planner model call retried attempt={rng.randrange(1, 4)} model=claude-sonnet-4-5 '
         f'input_tokens={rng.randrange(9000)} output_tokens={rng.randrange(4000)} cost_usd=0.{rng.randrange(10**4):04d}',
         f'{ts} INFO deploy image=ghcr.io/acme/tether-{svc}@sha256:{digest} pod={pod} node=worker-{rng.randrange(9)}',

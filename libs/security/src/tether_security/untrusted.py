@@ -1,4 +1,4 @@
-"""Untrusted content for the model: a data envelope with provenance and a size cap, control tokens stripped, injection flags."""
+"""Untrusted content for the model: a provenance-tagged, size-capped, sanitised data envelope with injection flags."""
 
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ _PHRASES: tuple[tuple[InjectionFlag, float, re.Pattern[str]], ...] = tuple(
         (InjectionFlag.OVERRIDE_INSTRUCTIONS, 0.4, r"\binstead,? (?:you (?:must|should|will)|do the following)\b"),
         (InjectionFlag.ROLE_REASSIGNMENT, 0.5,
          r"\b(?:you are now (?:an?|the|my|in|dan|no longer|free|unrestricted|jailbroken|uncensored|operating|acting)\b|"
-         r"you are (?:an? )?(?:unrestricted|jailbroken|uncensored|unfiltered)|from now on,? you|act as (?:an? )?(?:unrestricted|different|new|evil|jailbroken)|"
+         r"you are (?:an? )?(?:unrestricted|jailbroken|uncensored|unfiltered)|from now on,? you|"
+         r"act as (?:an? )?(?:unrestricted|different|new|evil|jailbroken)|"
          r"pretend (?:to be|you are)|your new (?:role|persona|identity|goal|task|purpose) is|you have been "
          r"(?:reprogrammed|updated|freed))\b"),
         (InjectionFlag.ROLE_REASSIGNMENT, 0.5,
@@ -120,7 +121,8 @@ _PHRASES: tuple[tuple[InjectionFlag, float, re.Pattern[str]], ...] = tuple(
          r"\b(?:run|execute|call|invoke|use) (?:the )?(?:following|this|these|below)? ?(?:shell |bash |terminal )?"
          r"(?:commands?|code|script|tool|function)\b\s*[:\n]"),
         (InjectionFlag.TOOL_COMMAND, 0.5,
-         r"(?:curl|wget)\s[^\n|]{0,200}\|\s*(?:ba|z)?sh\b|\brm -rf /|\bchmod \+x\b[^\n]{0,80}&&|base64 -d[^\n]{0,40}\|\s*sh"),
+         r"(?:curl|wget)\s[^\n|]{0,200}\|\s*(?:ba|z)?sh\b|\brm -rf /|\bchmod \+x\b[^\n]{0,80}&&|"
+         r"base64 -d[^\n]{0,40}\|\s*sh"),
     )
 )
 _EXFIL_VERB = re.compile(
