@@ -27,14 +27,15 @@ from tether_messaging.testing import InMemoryDriver
 from tether_messaging.topics import Topics
 from tether_tool_gateway.builtin_tools import builtin_tool_specs
 from tether_tool_gateway.domain.canonical import canonical_json, idem_key_for, sha256_hex
-from tether_tool_gateway.domain.policy import BasicPolicy
+from tether_tool_gateway.domain.policy import Policy, TrustPolicy
+from tether_tool_gateway.domain.policy_document import parse_policy
 from tether_tool_gateway.domain.results import ResultLimits
 from tether_tool_gateway.execution import ToolRunner
 from tether_tool_gateway.handlers import Deps
 from tether_tool_gateway.ledger import Owner
 from tether_tool_gateway.ports import ExecutionRequest, Executor, SecretProvider
 from tether_tool_gateway.entrypoint import GatewayProcessor
-from tether_tool_gateway.testing import InMemoryLedger
+from tether_tool_gateway.testing import InMemoryLedger, InMemoryRateLimiter
 
 TOPICS = Topics()
 OWNER = Owner("tool-gateway-0", "boot-1")
@@ -84,35 +85,52 @@ class Harness:
     limits: ResultLimits = field(default_factory=ResultLimits)
     ledger: InMemoryLedger = field(default_factory=InMemoryLedger)
     owner: Owner = OWNER
+    #: A policy document (JSON text), or None for the built-in default.
+    policy_json: str | None = None
 
     def __post_init__(self) -> None:
         self.executor = FakeExecutor()
         self.blobs = InMemoryBlobStore()
+        # The limiter's clock follows the driver's, so tests move one clock.
+        self.limiter = InMemoryRateLimiter(clock_ms=lambda: self.driver.now_ms)
         self.runner = ToolRunner(ledger=self.ledger, executors={"builtin": self.executor}, blobs=self.blobs,
-                                 owner=self.owner, limits=self.limits, lease_ms=60_000, heartbeat_ms=20)
-        self.processor = GatewayProcessor(Deps(topics=TOPICS, policy=BasicPolicy(), runner=self.runner,
+                                 owner=self.owner, limits=self.limits, lease_ms=60_000, heartbeat_ms=20,
+                                 limiter=self.limiter)
+        self.policy: Policy = TrustPolicy() if self.policy_json is None else TrustPolicy(parse_policy(self.policy_json))
+        self.processor = GatewayProcessor(Deps(topics=TOPICS, policy=self.policy, runner=self.runner,
                                                recheck_ms=1_000, stall_ms=60_000), sweep_interval_ms=5_000)
         self.driver = InMemoryDriver(self.processor, producer_name="budget")
 
-    def feed(self, payload, run_id: str = "run-1"):
-        return self.driver.feed_payload(TOPICS.run_events, payload, run_id=run_id, producer="budget")
+    def feed(self, payload, run_id: str = "run-1", tenant_id: str = "t1"):
+        return self.driver.feed_payload(TOPICS.run_events, payload, run_id=run_id, tenant_id=tenant_id,
+                                        producer="budget")
 
-    def accept(self, run_id: str = "run-1", grants: list[str] | None = None, allowlist: list[str] | None = None):
+    def log(self, emitted):
+        """Feed the gateway's own outputs back as the sequenced log would (budget appends them)."""
+        out = []
+        for e in emitted:
+            out.extend(self.driver.feed(TOPICS.run_events, e.envelope))
+        return out
+
+    def accept(self, run_id: str = "run-1", grants: list[str] | None = None, allowlist: list[str] | None = None,
+               *, goal: str = "g", scope: list[str] | None = None, agent_id: str = "a1", tenant_id: str = "t1"):
         names = [t.name for t in self.tools]
         caps = Caps(max_steps=10, max_wall_clock_ms=600_000, max_tokens=100_000, max_cost_usd_micros=1_000_000)
-        agent = AgentSpec(agent_id="a1", version=1, name="agent", instructions="be useful",
+        agent = AgentSpec(agent_id=agent_id, version=1, name="agent", instructions="be useful",
                           model=ModelRef(provider="openai", name="m"),
                           tool_allowlist=names if allowlist is None else allowlist, caps=caps)
-        return self.feed(RunAccepted(principal_id="p1", request_id="r1", goal="g", agent=agent, tools=self.tools,
+        return self.feed(RunAccepted(principal_id="p1", request_id="r1", goal=goal, agent=agent, tools=self.tools,
                                      caps=caps, tenant_grants=names if grants is None else grants,
-                                     deadline_ms=self.driver.now_ms + 600_000), run_id)
+                                     delegated_scope=scope, deadline_ms=self.driver.now_ms + 600_000),
+                         run_id, tenant_id=tenant_id)
 
     def request(self, tool_name: str, args: Any, *, run_id: str = "run-1", step: int = 1, call_index: int = 0,
-                args_json: str | None = None) -> Call:
+                args_json: str | None = None, provenance_json: str = "{}") -> Call:
         call = Call(run_id, step, call_index, tool_name, canonical_json(args) if args_json is None else args_json)
         self.feed(ToolCallRequested(step=step, call=ToolCall(call_id=call.call_id, call_index=call_index,
                                                              idem_key=call.idem_key, tool_name=tool_name,
-                                                             args_json=call.args_json, args_hash=call.args_hash)),
+                                                             args_json=call.args_json, args_hash=call.args_hash),
+                                    provenance_json=provenance_json),
                   run_id)
         return call
 

@@ -33,7 +33,7 @@ from tether_messaging.testing import InMemoryDriver
 from tether_messaging.topics import Topics
 from tether_tool_gateway.builtin_tools import http_get_spec, kv_put_spec, send_email_spec
 from tether_tool_gateway.domain.canonical import canonical_json, idem_key_for, sha256_hex
-from tether_tool_gateway.domain.policy import BasicPolicy
+from tether_tool_gateway.domain.policy import TrustPolicy
 from tether_tool_gateway.entrypoint import GatewayProcessor
 from tether_tool_gateway.execution import Completed, Pending, ToolRunner, Unknown, tool_spec_json
 from tether_tool_gateway.executors.builtin import BuiltinExecutor
@@ -215,7 +215,7 @@ def test_slow_execution_heartbeats_its_lease(pg, http):
 def test_gateway_processor_end_to_end_with_real_adapters(pg, kv, smtp):
     """Decisions through the processor, executions through PostgreSQL and the dev services."""
     runner = pg(GW0)
-    processor = GatewayProcessor(Deps(topics=Topics(), policy=BasicPolicy(), runner=runner))
+    processor = GatewayProcessor(Deps(topics=Topics(), policy=TrustPolicy(), runner=runner))
     driver = InMemoryDriver(processor, producer_name="budget")
     tools = [kv_put_spec(kv.url), send_email_spec(smtp.host, smtp.port, "agent@tether.test")]
     names = [t.name for t in tools]

@@ -433,8 +433,8 @@ def _address_of(part: str) -> tuple[str, str] | str:
     else:
         addr = part
     local, sep, domain = addr.rpartition("@")
-    if not sep or not local or not domain or "@" in local or not _LOCAL_PART.match(local):
-        return f"{addr!r} is not a plain address (local@domain)"
+    if not sep or not local or not domain or "@" in local or not _LOCAL_PART.match(local) or "[" in domain:
+        return f"{addr!r} is not a plain address (local@domain; no quoted parts or domain literals)"
     return local, domain
 
 
