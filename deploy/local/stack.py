@@ -386,7 +386,10 @@ class Kafka(Component):
         shutil.copyfile(HERE / "kafka" / "log4j2.properties", self.dir / "log4j2.properties")
         log = self.dir / "logs" / "kafka.out"
         if not (data / "meta.properties").is_file():
-            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            cluster_id = "-"
+            # Like Kafka's own Uuid.randomUuid(): an id starting with "-" would parse as an option.
+            while cluster_id.startswith("-"):
+                cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
             fmt = subprocess.run(self._java("kafka.tools.StorageTool", "format", "-t", cluster_id,
                                             "-c", str(self.config)),
                                  stdin=subprocess.DEVNULL, capture_output=True, text=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -10,6 +11,10 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from tether_testing.names import unique_name
 
 _TIMEOUT_S = 60.0
+
+
+class TopicNotReady(Exception):
+    """A created or deleted topic did not show up as such in the broker's metadata in time."""
 
 
 class KafkaTopics:
@@ -21,11 +26,13 @@ class KafkaTopics:
         self.created: list[str] = []
 
     def create(self, prefix: str = "test", *, partitions: int = 1, config: Mapping[str, str] | None = None) -> str:
-        """Create `<prefix>-<random>` (replication factor 1) and return its name once the broker has it."""
+        """Create `<prefix>-<random>` (replication factor 1); return once every partition has a leader."""
         name = unique_name(prefix)
         topic = NewTopic(name, num_partitions=partitions, replication_factor=1, config=dict(config or {}))
         self._admin.create_topics([topic], operation_timeout=_TIMEOUT_S)[name].result(timeout=_TIMEOUT_S)
         self.created.append(name)
+        # The controller has the topic now; the broker's metadata follows a moment later.
+        self._wait(lambda: self._ready(name, partitions), f"topic {name} to have leaders for {partitions} partitions")
         return name
 
     def list(self) -> set[str]:
@@ -33,14 +40,27 @@ class KafkaTopics:
         return set(self._admin.list_topics(timeout=_TIMEOUT_S).topics)
 
     def delete_all(self) -> None:
-        """Delete the topics this helper created; a topic someone else already deleted is fine."""
+        """Delete the topics this helper created (one already deleted is fine); return once they are gone."""
         if not self.created:
             return
-        futures = self._admin.delete_topics(self.created, operation_timeout=_TIMEOUT_S)
-        self.created = []
+        names, self.created = self.created, []
+        futures = self._admin.delete_topics(names, operation_timeout=_TIMEOUT_S)
         for future in futures.values():
             try:
                 future.result(timeout=_TIMEOUT_S)
             except KafkaException as err:
                 if err.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
                     raise
+        self._wait(lambda: not (set(names) & self.list()), f"topics {names} to disappear")
+
+    def _ready(self, name: str, partitions: int) -> bool:
+        meta = self._admin.list_topics(topic=name, timeout=_TIMEOUT_S).topics.get(name)
+        return (meta is not None and meta.error is None and len(meta.partitions) == partitions
+                and all(p.leader >= 0 for p in meta.partitions.values()))
+
+    def _wait(self, done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + _TIMEOUT_S
+        while not done():
+            if time.monotonic() > deadline:
+                raise TopicNotReady(f"waited {_TIMEOUT_S:.0f}s for {what} on {self.bootstrap}")
+            time.sleep(0.1)
