@@ -74,7 +74,8 @@ def choose_model(settings: DemoSettings) -> tuple[ModelChoice, str]:
                 f"Using the OpenAI-compatible server at {settings.llm_base_url} (model {name}; TETHER_LLM_BASE_URL).")
     if settings.openai_api_key and settings.openai_api_key.get_secret_value():
         name = settings.model or "gpt-4.1-mini"
-        return ModelChoice(provider="openai", name=name, scripted=False), f"Using OpenAI (model {name}; OPENAI_API_KEY)."
+        return (ModelChoice(provider="openai", name=name, scripted=False),
+                f"Using OpenAI (model {name}; OPENAI_API_KEY).")
     if settings.anthropic_api_key and settings.anthropic_api_key.get_secret_value():
         name = settings.model or "claude-sonnet-4-5"
         return (ModelChoice(provider="anthropic", name=name, scripted=False),
@@ -102,7 +103,8 @@ def approve(system: TetherSystem, event: runs_pb.RunEvent) -> None:
     """Decide an approval the way a human would in the CLI, with the demo approver's key."""
     payload = json.loads(event.payload_json or "{}")
     args = payload.get("args_json", "")
-    say(f"        approval needed: {payload.get('tool_name')} {args} (reasons: {', '.join(payload.get('reasons', []))})")
+    reasons = ", ".join(payload.get("reasons", []))
+    say(f"        approval needed: {payload.get('tool_name')} {args} (reasons: {reasons})")
     say(f"        approving as demo approver ({system.config.approver_id}) via ApprovalService.DecideApproval")
     system.approver.decide(payload["approval_id"], payload["args_hash"], approve=True,
                            comment="approved by the make run demo")

@@ -1,4 +1,4 @@
-"""Fixtures of the end-to-end tests: the whole system as real processes on the real stack, and readers of its evidence."""
+"""e2e fixtures: the whole system as real processes on the real stack, and readers of its evidence."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Services SIGKILLed in the middle of a run and restarted: the run completes with one intact log and each effect once."""
+"""Services SIGKILLed mid-run and restarted: the run completes with one intact log and each effect once."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`make run`'s demo (deploy/local/run-demo) on the running stack: offline model, approval step, answer, exit 0, nothing left running."""
+"""`make run`'s demo (deploy/local/run-demo) on the running stack: offline, approved, answered, exit 0, nothing left."""
 
 from __future__ import annotations
 

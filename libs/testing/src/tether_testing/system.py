@@ -69,7 +69,6 @@ CHANGELOG_SERVICES = ("budget", "planner", "tool-gateway", "approval", "projecto
 SINKS = ("http", "smtp", "kv")
 MODEL = "model"
 SCRIPTED_MODEL_NAME = "tether-scripted"
-TERMINAL_EVENTS = {"tether.v1.RunCompleted", "tether.v1.RunTerminated", "tether.v1.RunRejected"}
 _STATE_FILE = "processes.json"
 
 
