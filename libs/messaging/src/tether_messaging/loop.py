@@ -857,6 +857,7 @@ class ProcessorLoop:
                 meta = self._consumer.consumer_group_metadata()
                 self._call(lambda: self._producer.send_offsets_to_transaction(offsets, meta, 30))
             self._call(lambda: self._producer.commit_transaction(30))
+            self._producer.poll(0)  # serve delivery reports so they never pile up
         else:
             remaining = self._producer.flush(30)
             if remaining or self._delivery_errors:
