@@ -24,10 +24,10 @@ import shutil
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
+import grpc
 import structlog
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
@@ -135,21 +135,27 @@ def show_result(run: runs_pb.Run) -> None:
             say(f"  pending {item}")
 
 
+class DemoFailed(Exception):
+    """The demo cannot go on; the message says why."""
+
+
 def watch(system: TetherSystem, run_id: str, deadline: float) -> None:
     """Stream the run's events as they happen, approving what needs approval, until its terminal event."""
-    timer = threading.Timer(max(0.0, deadline - time.monotonic()), system.client.channel.close)
-    timer.daemon = True
-    timer.start()
     start_ms = None
     try:
-        for event in system.client.follow(run_id):
+        for event in system.client.follow(run_id, timeout_s=max(1.0, deadline - time.monotonic())):
             if start_ms is None:
                 start_ms = event.record_time.ToMilliseconds()
             say(event_line(event, start_ms))
             if event.event_type == "tether.v1.ApprovalRequested":
-                approve(system, event)
-    finally:
-        timer.cancel()
+                try:
+                    approve(system, event)
+                except grpc.RpcError as err:
+                    raise DemoFailed(f"DecideApproval was refused: {err.code().name}: {err.details()}") from None
+    except grpc.RpcError as err:
+        if time.monotonic() >= deadline:
+            raise DemoFailed("the run did not finish within TETHER_DEMO_TIMEOUT_S") from None
+        raise DemoFailed(f"lost the event stream: {err.code().name}: {err.details()}") from None
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -202,11 +208,8 @@ def main() -> int:
         say(f"Submitted run {run_id}; streaming its events (seq, time since the first event, event):")
         try:
             watch(system, run_id, deadline)
-        except Exception as err:  # the stream broke for good, or the deadline closed it
-            if time.monotonic() > deadline:
-                say(f"The run did not finish within {settings.timeout_s:.0f}s (TETHER_DEMO_TIMEOUT_S).")
-            else:
-                say(f"Lost the event stream: {err}")
+        except DemoFailed as err:
+            say(f"The demo failed: {err}.")
             for name in ("planner", "budget", "tool-gateway", "projector"):
                 say(f"--- last lines of {system.log_path(name)}\n{system.log_tail(name, 15)}")
             return 1
