@@ -139,9 +139,10 @@ def test_tool_constraints_are_a_canonical_json_object() -> None:
     spec = validate_tool(tool_draft(constraints_json='{"rules": [{"kind": "egress", "arg": "/url", "hosts": ["a"]}]}'),
                          LIMITS)
     assert spec.constraints_json == '{"rules":[{"arg":"/url","hosts":["a"],"kind":"egress"}]}'
-    with pytest.raises(InvalidArgument) as err:
-        validate_tool(tool_draft(constraints_json="[]"), LIMITS)
-    assert fields(err.value) == {"tool.constraints_json"}
+    for bad in ("[]", '{"rules": [{"kind": "egress", "arg": "url", "hosts": []}]}', '{"rules": [{"kind": "teleport"}]}'):
+        with pytest.raises(InvalidArgument) as err:
+            validate_tool(tool_draft(constraints_json=bad), LIMITS)
+        assert fields(err.value) == {"tool.constraints_json"}, bad
 
 
 def test_tool_needs_risk_class_and_known_executor() -> None:

@@ -10,6 +10,9 @@ from jsonschema import Draft202012Validator, SchemaError
 from jsonschema.validators import validator_for
 
 from tether_contracts.records import AgentSpec, Caps, ModelRef, RiskClass, ToolSpec
+# The gateway enforces the constraints; parsing them with its own (pure) parser here means a
+# tool is refused at registration rather than failing closed on every call later.
+from tether_tool_gateway.domain.constraints import ConstraintsInvalid, parse_constraints
 from tether_run_api.domain.errors import FieldViolation, InvalidArgument
 
 AGENT_ID = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
@@ -230,6 +233,12 @@ def validate_tool(draft: ToolDraft, limits: CatalogLimits, *, path: str = "tool"
         draft.constraints_json, f"{path}.constraints_json", limits.max_constraints_bytes, empty_ok=True
     )
     v += cons_v
+    if constraints is not None:
+        try:
+            parse_constraints(canonical_json(constraints))
+        except ConstraintsInvalid as exc:
+            v.append(FieldViolation(f"{path}.constraints_json", str(exc)))
+            constraints = None
     if not 0 <= draft.timeout_ms <= MAX_TOOL_TIMEOUT_MS:
         v.append(FieldViolation(f"{path}.timeout_ms", f"must be between 0 (default) and {MAX_TOOL_TIMEOUT_MS}"))
     if v or risk is None or config is None or constraints is None:
