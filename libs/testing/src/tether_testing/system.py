@@ -117,6 +117,9 @@ class SystemConfig:
     ports: Mapping[str, int] = field(default_factory=dict)
     #: Extra environment per component (service name, "http", "smtp", "kv", "model").
     extra_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    #: Per sink ("http", "smtp", "kv"): answer every request this many ms late (the effect is recorded
+    #: at once), so a test can kill a caller between an effect and its answer.
+    sink_delay_ms: Mapping[str, int] = field(default_factory=dict)
     start_timeout_s: float = 180.0
     python: str = sys.executable
 
@@ -430,9 +433,10 @@ class TetherSystem:
         pending: dict[str, ServiceProcess] = {}
         for kind in SINKS:
             port = self._port(kind)
+            delay = ["--delay-ms", str(self.config.sink_delay_ms[kind])] if self.config.sink_delay_ms.get(kind) else []
             pending[kind] = self._process(
                 kind, "tether_devservices", port=port,
-                args=[kind, "--port", str(port), "--record", str(self.sink_record_path(kind))],
+                args=[kind, "--port", str(port), "--record", str(self.sink_record_path(kind)), *delay],
                 env=dict(self.config.extra_env.get(kind, {})),
             )
         self.sink_urls = {kind: f"http://127.0.0.1:{self._port(kind)}" for kind in ("http", "kv")}
