@@ -51,3 +51,14 @@ def test_stop_recorded_stops_recorded_processes_and_leaves_a_reused_pid_alone(tm
         for proc in (ours, other):
             proc.kill()
             proc.wait()
+
+
+def test_more_instances_only_of_loop_services_and_never_in_slot_zero(tmp_path) -> None:
+    from tether_testing.system import SystemConfig, TetherSystem
+
+    system = TetherSystem(SystemConfig(kafka_bootstrap="unused:1", pg_dsn="unused", redis_url="redis://unused:1",
+                                       workdir=tmp_path))
+    with pytest.raises(TetherSystemError):
+        system.start_instance("run-api", 1)
+    with pytest.raises(TetherSystemError):
+        system.start_instance("planner", 0)

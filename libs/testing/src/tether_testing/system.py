@@ -495,6 +495,14 @@ class TetherSystem:
         tmp.replace(path)
 
     def _bootstrap_tenant(self) -> Bootstrap:
+        return self.bootstrap_tenant(self.config.tenant_id, principal_id=self.config.principal_id,
+                                     approver_id=self.config.approver_id)
+
+    def bootstrap_tenant(self, tenant_id: str, *, principal_id: str, approver_id: str) -> Bootstrap:
+        """Set up a tenant like the system's own (keys, the built-in tools, grants, agent `demo`).
+
+        Callable after `start()` for more tenants (load tests); repeating it issues new keys only.
+        """
         from tether_run_api import admin
         from tether_run_api.adapters.postgres import PostgresStore, migrate, open_pool
         from tether_tool_gateway.builtin_tools import builtin_tool_specs
@@ -509,14 +517,14 @@ class TetherSystem:
             migrate(pool, self.names.run_api_schema)
             store = PostgresStore(pool, self.names.run_api_schema)
             setup = admin.bootstrap_demo(
-                store, tenant_id=self.config.tenant_id, principal_id=self.config.principal_id,
-                approver_id=self.config.approver_id, tools=tools, agent=agent, now_ms=time.time_ns() // 1_000_000,
+                store, tenant_id=tenant_id, principal_id=principal_id,
+                approver_id=approver_id, tools=tools, agent=agent, now_ms=time.time_ns() // 1_000_000,
             )
         finally:
             pool.close()
         if setup.key is None or setup.approver_key is None:
             raise TetherSystemError("bootstrap-demo issued no keys")
-        return Bootstrap(tenant_id=self.config.tenant_id, api_key=setup.key.api_key,
+        return Bootstrap(tenant_id=tenant_id, api_key=setup.key.api_key,
                          approver_key=setup.approver_key.api_key, agent_id=setup.agent.agent_id,
                          agent_version=setup.agent.version, tools=[t.name for t in setup.tools])
 
@@ -574,6 +582,27 @@ class TetherSystem:
         self.address = f"127.0.0.1:{self._port('grpc')}"
         self._start_all(pending, timeout=self.config.start_timeout_s)
 
+    def start_instance(self, name: str, instance_id: int) -> str:
+        """Start one more instance of a loop service in the same consumer group, in slot `instance_id`
+        (its own transactional id); returns its component name `<name>#<instance_id>`, which `kill`,
+        `restart`, `stop_instance` and `processes` take. Slot 0 is the instance `start()` started."""
+        if name not in CHANGELOG_SERVICES or instance_id < 1:
+            raise TetherSystemError(f"only loop services get more instances, in slots >= 1 (not {name} #{instance_id})")
+        component = f"{name}#{instance_id}"
+        if component in self.processes and self.processes[component].running:
+            raise TetherSystemError(f"{component} is already running")
+        port = self._port(f"{component}.health")
+        env = self.service_env(name, port) | {f"{SERVICES[name][1]}INSTANCE_ID": str(instance_id)}
+        proc = self._process(component, SERVICES[name][0], health_port=port, health_path="/readyz", env=env)
+        self._start_all({component: proc}, timeout=self.config.start_timeout_s)
+        return component
+
+    def stop_instance(self, component: str) -> None:
+        """Stop an instance `start_instance` started (SIGTERM: it leaves the group cleanly) and forget it."""
+        proc = self.processes.pop(component)
+        proc.stop()
+        self._write_state()
+
     # -- faults --------------------------------------------------------------------------------
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Signal a component's PID (SIGKILL: a crash) and wait for it to exit; returns its exit status."""
@@ -593,8 +622,9 @@ class TetherSystem:
             if client is not None:
                 client.close()
         self.client = self.approver = None
-        order = [n for n in ("run-api", "planner", "tool-gateway", "approval", "budget", "projector", MODEL, *SINKS)
-                 if n in self.processes]
+        known = ("run-api", "planner", "tool-gateway", "approval", "budget", "projector", MODEL, *SINKS)
+        # Extra instances (start_instance) are stopped with the services.
+        order = [n for n in self.processes if n not in known] + [n for n in known if n in self.processes]
         with ThreadPoolExecutor(max_workers=len(order) or 1) as pool:
             list(pool.map(lambda n: self.processes[n].stop(), order))
         (self.state_dir / _STATE_FILE).unlink(missing_ok=True)
