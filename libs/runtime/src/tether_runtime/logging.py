@@ -8,11 +8,24 @@ from typing import Any
 
 import structlog
 
+from tether_security import Redactor, RedactingProcessor
+
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
 
 
 class UnknownLogLevel(ValueError):
     """The configured log level is not one of DEBUG, INFO, WARNING, ERROR."""
+
+
+# One redactor per process for every log line: it scrubs secret-shaped strings always, and the
+# exact values (plus encodings) of every secret registered with it — the gateway's
+# SecretRegistry registers each secret it resolves here, so no resolved secret reaches a log.
+_LOG_REDACTOR = Redactor()
+
+
+def log_redactor() -> Redactor:
+    """The process-wide redactor applied to every log line (register resolved secrets with it)."""
+    return _LOG_REDACTOR
 
 
 def configure(service: str, level: str = "INFO", *, instance: int | str | None = None) -> None:
@@ -41,6 +54,7 @@ def configure(service: str, level: str = "INFO", *, instance: int | str | None =
             *shared,
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
+            RedactingProcessor(_LOG_REDACTOR),
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
@@ -54,6 +68,7 @@ def configure(service: str, level: str = "INFO", *, instance: int | str | None =
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 structlog.processors.format_exc_info,
+                RedactingProcessor(_LOG_REDACTOR),
                 structlog.processors.JSONRenderer(),
             ],
             foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
