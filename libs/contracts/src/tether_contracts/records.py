@@ -53,6 +53,19 @@ class Remaining(AvroRecord):
     wall_clock_ms: int = Field(description="Milliseconds left before the run's deadline.")
 
 
+class TenantLimits(AvroRecord):
+    """A tenant's limits as they apply to one partition lane: run-api splits the tenant's configured totals over its spread of N partitions (each lane gets its share, at least 1 of any non-zero limit) and sends the share of the run's lane with every SubmitRun. The budget service enforces them per lane in its tenant ledger; the latest submit's values apply. Zero means no limit."""
+
+    AVRO_NAME: ClassVar[str] = "tether.v1.TenantLimits"
+    KIND: ClassVar[str] = "types"
+    max_concurrent_runs: int = Field(0, description="Runs of the tenant that may be admitted (accepted and not ended) on this lane at once; 0 = no cap.")
+    max_queued_runs: int = Field(0, description="Runs that may wait in the tenant's queue on this lane beyond max_concurrent_runs; a submit beyond it is refused (RunRejected TENANT_QUEUE_FULL). 0 = no queue.")
+    spend_cap_usd_micros: int = Field(0, description="Model spend of the tenant on this lane per window, in millionths of a US dollar; at or over it no step is granted and no tool call budgeted (RunTerminated TENANT_SPEND_CAP). 0 = no cap.")
+    spend_window_ms: int = Field(0, description="Length of the spend window, aligned to the epoch (86400000 = a UTC day); 0 = the cap is a lifetime total.")
+    tokens_per_minute: int = Field(0, description="Model tokens (input + output) per minute of the tenant on this lane, with bursts up to one minute's worth; over it a step's grant is deferred (StepDeferred), not denied. 0 = no cap.")
+    spread: int = Field(1, description="Over how many partition lanes the tenant's totals were split (1 = its home partition only).")
+
+
 class ToolCall(AvroRecord):
     """One tool call proposed by the model, canonicalised by the planner."""
 
@@ -239,6 +252,17 @@ class RunRejected(AvroRecord):
     detail: str = Field(description="Human-readable explanation.")
 
 
+class StepDeferred(AvroRecord):
+    """The budget service would grant the step but the tenant is over its token rate on this lane: the grant waits (it is not denied). StepGranted for the same step follows once the tenant's token bucket has room again, decided on the budget's timer in the tenant's order of deferral."""
+
+    AVRO_NAME: ClassVar[str] = "tether.v1.StepDeferred"
+    KIND: ClassVar[str] = "events"
+    step: int = Field(description="Run-local step number whose grant waits.")
+    reason_code: str = Field(description="Why the grant waits: TENANT_TOKEN_RATE.")
+    tokens_available: int = Field(description="The tenant's token bucket on this lane when deferred (zero or negative: model calls already granted used more than the rate allows).")
+    not_before_ms: int = Field(description="Earliest time the grant can be made, ms since the epoch (an estimate: the bucket's refill time; runs deferred earlier go first).")
+
+
 class StepGranted(AvroRecord):
     """The budget service allows the next model call of the run."""
 
@@ -388,6 +412,7 @@ class SubmitRun(AvroRecord):
     caps: Caps = Field(description="Caps for this run (the agent's defaults, possibly tightened by the request).")
     tenant_grants: list[str] = Field(default_factory=lambda: [], description="Tools the tenant has granted to this principal at submit time.")
     delegated_scope: list[str] | None = Field(None, description="Tools a delegating principal scoped this run to; capabilities = tenant grants \u2229 agent allowlist \u2229 this scope. Null = not delegated (no further restriction); an empty list allows no tool.")
+    tenant_limits: TenantLimits | None = Field(None, description="The tenant's limits for the run's partition lane (run-api's tenant catalog, split over the tenant's spread). Null = the tenant has no limits (no concurrency cap, queue, spend or token-rate cap).")
 
 
 class RunAccepted(AvroRecord):
@@ -406,6 +431,20 @@ class RunAccepted(AvroRecord):
     deadline_ms: int = Field(description="Wall-clock deadline, ms since the epoch.")
 
 
+class RunQueued(AvroRecord):
+    """The budget service took the submit into the tenant's queue: the tenant is at its concurrency cap on this partition lane. RunAccepted follows, in queue order, when one of the tenant's runs on the lane ends (RunRejected if the tenant is then over its spend cap; RunTerminated(CANCELLED) if cancelled while queued). The run's wall-clock cap starts at RunAccepted."""
+
+    AVRO_NAME: ClassVar[str] = "tether.v1.RunQueued"
+    KIND: ClassVar[str] = "events"
+    principal_id: str = Field(description="Principal who submitted the run.")
+    request_id: str = Field(description="The submit's request id.")
+    goal: str = Field(description="The user's goal.")
+    agent: AgentSpec = Field(description="Agent snapshot the run will use.")
+    position: int = Field(description="Place in the tenant's queue on this lane when queued, from 1 (1 = admitted next).")
+    running: int = Field(description="Runs of the tenant admitted and not ended on this lane when this run was queued.")
+    max_concurrent_runs: int = Field(description="The lane's concurrency cap in force (TenantLimits.max_concurrent_runs).")
+
+
 class RunTerminated(AvroRecord):
     """The run was stopped: a cap, a loop, a cancel or a failure. Nothing runs after it."""
 
@@ -420,6 +459,7 @@ RECORD_TYPES: dict[str, type[AvroRecord]] = {
     "tether.v1.Caps": Caps,
     "tether.v1.ModelRef": ModelRef,
     "tether.v1.Remaining": Remaining,
+    "tether.v1.TenantLimits": TenantLimits,
     "tether.v1.ToolCall": ToolCall,
     "tether.v1.ToolSpec": ToolSpec,
     "tether.v1.Usage": Usage,
@@ -432,6 +472,7 @@ RECORD_TYPES: dict[str, type[AvroRecord]] = {
     "tether.v1.ModelCallFailed": ModelCallFailed,
     "tether.v1.RunCompleted": RunCompleted,
     "tether.v1.RunRejected": RunRejected,
+    "tether.v1.StepDeferred": StepDeferred,
     "tether.v1.StepGranted": StepGranted,
     "tether.v1.ToolCallBudgeted": ToolCallBudgeted,
     "tether.v1.ToolCallCompleted": ToolCallCompleted,
@@ -444,5 +485,6 @@ RECORD_TYPES: dict[str, type[AvroRecord]] = {
     "tether.v1.TerminationReport": TerminationReport,
     "tether.v1.SubmitRun": SubmitRun,
     "tether.v1.RunAccepted": RunAccepted,
+    "tether.v1.RunQueued": RunQueued,
     "tether.v1.RunTerminated": RunTerminated,
 }
