@@ -50,6 +50,7 @@ class FakeExecutor(Executor):
 
     def execute(self, request: ExecutionRequest, secrets: SecretProvider) -> Any:
         self.requests.append(request)
+        self.secrets = secrets  # what the runner handed over (behaviours may resolve from it)
         return self.behaviour(request)
 
 
@@ -87,6 +88,9 @@ class Harness:
     owner: Owner = OWNER
     #: A policy document (JSON text), or None for the built-in default.
     policy_json: str | None = None
+    #: The runner's secret provider and redactor (None: none known, nothing redacted).
+    secrets: Any = None
+    redactor: Any = None
 
     def __post_init__(self) -> None:
         self.executor = FakeExecutor()
@@ -95,7 +99,7 @@ class Harness:
         self.limiter = InMemoryRateLimiter(clock_ms=lambda: self.driver.now_ms)
         self.runner = ToolRunner(ledger=self.ledger, executors={"builtin": self.executor}, blobs=self.blobs,
                                  owner=self.owner, limits=self.limits, lease_ms=60_000, heartbeat_ms=20,
-                                 limiter=self.limiter)
+                                 limiter=self.limiter, secrets=self.secrets, redactor=self.redactor)
         self.policy: Policy = TrustPolicy() if self.policy_json is None else TrustPolicy(parse_policy(self.policy_json))
         self.processor = GatewayProcessor(Deps(topics=TOPICS, policy=self.policy, runner=self.runner,
                                                recheck_ms=1_000, stall_ms=60_000), sweep_interval_ms=5_000)

@@ -164,3 +164,41 @@ def test_unknown_builtin_is_executor_unavailable():
     with pytest.raises(ToolError) as exc:
         run(spec, {"key": "a"})
     assert exc.value.code == "EXECUTOR_UNAVAILABLE"
+
+
+# -- secrets in headers ------------------------------------------------------------------------
+def test_http_get_sends_secret_headers_resolved_at_execution_time():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[str | None] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's naming)
+            seen.append(self.headers.get("Authorization"))
+            body = b'{"ok": true}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        tool = http_get_spec(["127.0.0.1"], headers={"Authorization": "Bearer secret://news/token"})
+        assert "s3cr3t-value" not in tool.executor_config_json  # the spec holds the handle only
+        args = {"url": f"http://127.0.0.1:{server.server_port}/x"}
+        page = BuiltinExecutor().execute(request(tool, args), MappingSecretProvider({"news/token": "s3cr3t-value"}))
+        assert page["status"] == 200 and seen == ["Bearer s3cr3t-value"]
+        with pytest.raises(ToolError) as err:
+            BuiltinExecutor().execute(request(tool, args), MappingSecretProvider({}))
+        assert err.value.code == "EXECUTOR_UNAVAILABLE" and "secret://news/token" in err.value.detail
+        assert len(seen) == 1  # nothing was sent without the secret
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -132,8 +132,7 @@ CANARY = "sk-live-CANARY-7f3a9c2e4b1d"
 
 
 def test_an_injected_exfiltration_email_waits_for_a_human_who_sees_where_it_came_from(make_harness):
-    gw = make_harness()
-    gw.runner._secrets = MappingSecretProvider({"news_api_key": CANARY})
+    gw = make_harness(secrets=MappingSecretProvider({"news_api_key": CANARY}))
 
     class NewsExecutor:
         """The fetch authenticates with a secret; the page it gets back carries the injection."""
@@ -312,3 +311,26 @@ def test_a_redelivered_budget_record_does_not_re_decide_a_deferred_call(make_har
     gw.driver.run_work()
     assert gw.call_state(second).status is status
     assert gw.budget(second) == [] and not any(k.startswith("call:") for k in gw.driver.pending)
+
+
+def test_a_secret_reflected_by_a_tool_is_redacted_before_it_is_recorded(make_harness):
+    import base64
+
+    from tether_security import Redactor, SecretRegistry, StaticSecretProvider
+
+    redactor = Redactor()
+    gw = make_harness(secrets=SecretRegistry(StaticSecretProvider({"news/token": CANARY}), redactor),
+                      redactor=redactor)
+
+    def reflecting(request: ExecutionRequest, secrets: SecretProvider):
+        token = secrets.resolve("secret://news/token")  # e.g. an Authorization header
+        # A misbehaving site reflects the request's credentials back, plainly and encoded.
+        return {"status": 200, "body": f"you sent Bearer {token}; b64 {base64.b64encode(token.encode()).decode()}"}
+
+    gw.executor.behaviour = lambda r: reflecting(r, gw.executor.secrets)
+    gw.accept()
+    gw.budget(gw.request("http_get", {"url": PAGE_URL}))
+    done = only(gw.driver.run_work(), ToolCallCompleted)
+    assert "[REDACTED:secret]" in done.result_json
+    assert CANARY not in done.result_json and base64.b64encode(CANARY.encode()).decode() not in done.result_json
+    assert gw.ledger.get(done.idem_key).resolution.result_json == done.result_json  # the ledger holds the redacted text

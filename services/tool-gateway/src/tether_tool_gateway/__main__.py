@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from tether_messaging.loop import serve_processor
 from tether_tool_gateway.bootstrap import build_gateway, declare_topics
 from tether_tool_gateway.settings import GatewaySettings
@@ -11,7 +13,7 @@ def main() -> int:
     settings = GatewaySettings()
     if settings.declare_topics:
         declare_topics(settings)
-    gateway = build_gateway(settings)
+    gateway = build_gateway(settings, environ=os.environ)
     gateway.open()
     try:
         return serve_processor(gateway.processor, settings)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from psycopg_pool import ConnectionPool
+
+from tether_security import EnvSecretProvider, FileSecretProvider, Redactor, SecretRegistry, StaticSecretProvider
+from tether_security import SecretProvider as SecretSource
 
 from tether_messaging.blobstore import PostgresBlobStore
 from tether_messaging.topics import Topics
@@ -19,7 +23,6 @@ from tether_tool_gateway.executors.builtin import BuiltinExecutor
 from tether_tool_gateway.handlers import Deps
 from tether_tool_gateway.ledger.port import Owner
 from tether_tool_gateway.ledger.postgres import PostgresLedger
-from tether_tool_gateway.ports import MappingSecretProvider, PassthroughRedactor
 from tether_tool_gateway.ratelimit import RedisRateLimiter
 from tether_tool_gateway.settings import GatewaySettings
 
@@ -34,6 +37,7 @@ class Gateway:
     ledger: PostgresLedger
     blobs: PostgresBlobStore
     limiter: RedisRateLimiter
+    redactor: Redactor
 
     def open(self) -> None:
         """Connect to PostgreSQL and create the ledger and blob schemas if missing."""
@@ -56,8 +60,19 @@ def load_policy(settings: GatewaySettings) -> LoadedPolicy:
     return default_policy()
 
 
-def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None) -> Gateway:
-    """Every adapter the settings describe (no I/O until `open`)."""
+def secret_source(settings: GatewaySettings, environ: Mapping[str, str]) -> SecretSource:
+    """Where tools' secrets come from: a file store, the environment, or nowhere (every lookup fails)."""
+    if settings.secrets_path is not None:
+        return FileSecretProvider(settings.secrets_path)
+    if settings.secrets_env_prefix is not None:
+        return EnvSecretProvider(environ, prefix=settings.secrets_env_prefix)
+    return StaticSecretProvider({})
+
+
+def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None,
+                  environ: Mapping[str, str] | None = None) -> Gateway:
+    """Every adapter the settings describe (no I/O until `open`). `environ` is the process
+    environment, passed by the composition root (only for `secrets_env_prefix`)."""
     pool = ConnectionPool(settings.pg_dsn, min_size=1, max_size=settings.pg_pool_max, open=False,
                           name="tool-gateway")
     ledger = PostgresLedger(pool, schema=settings.ledger_schema)
@@ -68,13 +83,17 @@ def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None) -> G
     limiter = RedisRateLimiter.from_url(settings.redis_url, key_prefix=settings.topic_prefix + settings.rate_limit_key_prefix,
                                         max_wait_ms=settings.rate_limit_max_wait_ms,
                                         grant_ttl_ms=settings.rate_limit_grant_ttl_ms)
+    # Every secret value a tool resolves is registered with the redactor before it is used, so
+    # tool output is scrubbed of it (and of secret-shaped strings) before it is recorded.
+    redactor = Redactor()
+    secrets = SecretRegistry(secret_source(settings, environ or {}), redactor)
     runner = ToolRunner(
         ledger=ledger,
         executors={"builtin": BuiltinExecutor()},
         blobs=blobs,
         owner=owner,
-        secrets=MappingSecretProvider(),
-        redactor=PassthroughRedactor(),
+        secrets=secrets,
+        redactor=redactor,
         limiter=limiter,
         limits=ResultLimits(inline_max_bytes=settings.inline_result_max_bytes, max_bytes=settings.result_max_bytes),
         lease_ms=settings.lease_ms,
@@ -89,7 +108,8 @@ def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None) -> G
         stall_ms=settings.stall_ms,
     )
     processor = GatewayProcessor(deps, sweep_interval_ms=settings.sweep_interval_ms, sweep_limit=settings.sweep_limit)
-    return Gateway(processor=processor, runner=runner, pool=pool, ledger=ledger, blobs=blobs, limiter=limiter)
+    return Gateway(processor=processor, runner=runner, pool=pool, ledger=ledger, blobs=blobs, limiter=limiter,
+                   redactor=redactor)
 
 
 def declare_topics(settings: GatewaySettings) -> None:

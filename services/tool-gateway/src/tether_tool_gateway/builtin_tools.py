@@ -74,8 +74,16 @@ def _json(value: Any) -> str:
 
 
 def http_get_spec(allow_hosts: Sequence[str], *, max_body_bytes: int = 1024 * 1024, timeout_ms: int = 10_000,
-                  version: int = 1) -> ToolSpec:
-    """GET a URL on an allowlisted host. Read-only; its output is untrusted content."""
+                  version: int = 1, headers: dict[str, str] | None = None) -> ToolSpec:
+    """GET a URL on an allowlisted host. Read-only; its output is untrusted content.
+
+    `headers` are sent with every request; values may reference secrets by handle
+    (`{"Authorization": "Bearer secret://news/token"}`), resolved by the gateway at execution time.
+    """
+    config: dict[str, Any] = {"builtin": HTTP_GET, "allow_hosts": sorted({h.lower() for h in allow_hosts}),
+                              "max_body_bytes": max_body_bytes}
+    if headers:
+        config["headers"] = dict(headers)
     return ToolSpec(
         name=HTTP_GET,
         version=version,
@@ -86,8 +94,7 @@ def http_get_spec(allow_hosts: Sequence[str], *, max_body_bytes: int = 1024 * 10
         idempotent=True,
         untrusted_source=True,
         executor_kind=EXECUTOR_KIND,
-        executor_config_json=_json({"builtin": HTTP_GET, "allow_hosts": sorted({h.lower() for h in allow_hosts}),
-                                    "max_body_bytes": max_body_bytes}),
+        executor_config_json=_json(config),
         timeout_ms=timeout_ms,
         egress=False,
         # The gateway refuses other hosts before the call runs (CONSTRAINT_VIOLATION); the

@@ -7,34 +7,34 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tether_contracts.records import ToolSpec
+from tether_security import SecretNotFound
 from tether_tool_gateway.domain.policy import RateAnswer
 from tether_tool_gateway.domain.policy_document import RateLimit
 
 
-class SecretNotFound(KeyError):
-    """A tool referenced a secret name the provider does not know."""
-
-
 class SecretProvider(Protocol):
-    """Resolves secret names (from a tool's executor config) to values at execution time.
-    Values never leave the executor: not in events, logs, traces or the ledger."""
+    """Resolves secret names or handles (`secret://name`, from a tool's executor config) to values
+    at execution time. Values never leave the executor: not in events, logs, traces or the ledger.
+    In production this is `tether_security.SecretRegistry`, which also teaches the redactor each
+    value it hands out."""
 
     def resolve(self, name: str) -> str:
-        """The secret's value; raises `SecretNotFound`."""
+        """The secret's value; raises `SecretNotFound` (tether_security's)."""
         ...
 
 
 class MappingSecretProvider:
-    """Secrets from a mapping the composition root built (e.g. from a mounted file)."""
+    """Secrets from a mapping (tests); production uses tether_security's providers and registry."""
 
     def __init__(self, secrets: Mapping[str, str] | None = None) -> None:
         self._secrets = dict(secrets or {})
 
     def resolve(self, name: str) -> str:
+        key = name.removeprefix("secret://")
         try:
-            return self._secrets[name]
+            return self._secrets[key]
         except KeyError:
-            raise SecretNotFound(name) from None
+            raise SecretNotFound(key) from None
 
     def values(self) -> list[str]:
         """Every known secret value (for a redactor)."""
@@ -42,13 +42,14 @@ class MappingSecretProvider:
 
 
 class Redactor(Protocol):
-    """Scrubs secrets from tool output before it is recorded anywhere."""
+    """Scrubs secrets from tool output before it is recorded anywhere (production:
+    `tether_security.Redactor`: known values in their encodings, and secret-shaped strings)."""
 
     def redact(self, text: str) -> str: ...
 
 
 class PassthroughRedactor:
-    """Redacts nothing. The seam where known-secret and secret-shaped scrubbing goes."""
+    """Redacts nothing (unit tests that are not about redaction)."""
 
     def redact(self, text: str) -> str:
         return text

@@ -33,6 +33,12 @@ class GatewaySettings(ServiceSettings):
     inline_result_max_bytes: int = Field(64 * 1024, ge=1, description="Larger results go to the blob store.")
     result_max_bytes: int = Field(8 * 1024 * 1024, ge=1, description="Larger results fail with OVERSIZED_RESULT.")
 
+    # -- secrets ------------------------------------------------------------------------------
+    secrets_path: str | None = Field(None, description="Secret store for tools (tether_security.FileSecretProvider): "
+                                                       "a 0700 directory, or a 0600 .json/.toml file.")
+    secrets_env_prefix: str | None = Field(None, description="Read secrets from environment variables with this "
+                                                             "prefix instead (stripe/test → <PREFIX>STRIPE_TEST).")
+
     # -- policy and rate limits ---------------------------------------------------------------
     policy_file: str | None = Field(None, description="Path of the policy document (JSON, docs/policy.md); "
                                                       "unset = the built-in default (approval for IRREVERSIBLE).")
@@ -51,4 +57,6 @@ class GatewaySettings(ServiceSettings):
             raise ValueError("inline_result_max_bytes must not exceed result_max_bytes")
         if self.policy_file is not None and self.policy_json is not None:
             raise ValueError("set policy_file or policy_json, not both")
+        if self.secrets_path is not None and self.secrets_env_prefix is not None:
+            raise ValueError("set secrets_path or secrets_env_prefix, not both")
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import email.policy
 import json
+import re
 import smtplib
 import socket
 from collections.abc import Callable
@@ -15,11 +16,14 @@ import httpx
 
 from tether_tool_gateway.builtin_tools import HTTP_GET, KV_GET, KV_PUT, SEND_EMAIL
 from tether_tool_gateway.domain.errors import EgressDenied, InvalidToolResult, ToolError
+from tether_security import SecretNotFound
 from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
 
 MAX_REDIRECTS = 5
 
-Builtin = Callable[[ExecutionRequest, dict[str, Any]], Any]
+Builtin = Callable[[ExecutionRequest, dict[str, Any], SecretProvider], Any]
+
+_HANDLE = re.compile(r"secret://[A-Za-z0-9._/-]+")
 
 
 def _config(request: ExecutionRequest) -> dict[str, Any]:
@@ -48,9 +52,28 @@ def _transport_error(exc: httpx.HTTPError) -> ToolError:
     return ToolError("TOOL_ERROR", f"{type(exc).__name__}: {exc}", retryable=True)
 
 
+def _headers(config: dict[str, Any], secrets: SecretProvider) -> dict[str, str]:
+    """The config's headers with `secret://name` handles replaced by the values, resolved now.
+
+    The values exist only in this request: never in the tool's config, the arguments the model
+    wrote, or the result (the registry teaches the redactor each value it resolves)."""
+    headers = config.get("headers", {})
+    if not isinstance(headers, dict):
+        raise ToolError("EXECUTOR_UNAVAILABLE", "executor config 'headers' must be an object")
+
+    def value(match: re.Match[str]) -> str:
+        try:
+            return secrets.resolve(match.group(0))
+        except SecretNotFound:
+            raise ToolError("EXECUTOR_UNAVAILABLE", f"secret {match.group(0)!r} is not configured") from None
+
+    return {str(k): _HANDLE.sub(value, str(v)) for k, v in headers.items()}
+
+
 # -- http_get ----------------------------------------------------------------------------------
-def http_get(request: ExecutionRequest, config: dict[str, Any]) -> dict[str, Any]:
-    """GET `url` if its host is allowlisted; follow redirects only within the same host; cap the body."""
+def http_get(request: ExecutionRequest, config: dict[str, Any], secrets: SecretProvider) -> dict[str, Any]:
+    """GET `url` if its host is allowlisted; follow redirects only within the same host; cap the body.
+    Config `headers` may reference secrets by handle; they are sent to the allowlisted origin only."""
     allow = {h.lower() for h in config.get("allow_hosts", [])}
     max_body = int(config.get("max_body_bytes", 1024 * 1024))
     try:
@@ -62,7 +85,9 @@ def http_get(request: ExecutionRequest, config: dict[str, Any]) -> dict[str, Any
     if url.host.lower() not in allow:
         raise EgressDenied(url.host)
     origin = (url.scheme, url.host.lower(), url.port)
-    with httpx.Client(timeout=_timeout(request), follow_redirects=False, trust_env=False) as client:
+    headers = _headers(config, secrets)
+    with httpx.Client(timeout=_timeout(request), follow_redirects=False, trust_env=False,
+                      headers=headers) as client:
         for _ in range(MAX_REDIRECTS + 1):
             try:
                 with client.stream("GET", url) as response:
@@ -122,7 +147,7 @@ def _kv_error(response: httpx.Response) -> ToolError:
     return ToolError("TOOL_ERROR", f"the KV store answered HTTP {response.status_code}", retryable=retryable)
 
 
-def kv_put(request: ExecutionRequest, config: dict[str, Any]) -> dict[str, Any]:
+def kv_put(request: ExecutionRequest, config: dict[str, Any], secrets: SecretProvider) -> dict[str, Any]:
     """PUT the value, with the call's idem_key as Idempotency-Key so a re-run is applied once."""
     key = request.args["key"]
     try:
@@ -139,7 +164,7 @@ def kv_put(request: ExecutionRequest, config: dict[str, Any]) -> dict[str, Any]:
             "deduplicated": response.headers.get("idempotent-replayed") == "true"}
 
 
-def kv_get(request: ExecutionRequest, config: dict[str, Any]) -> dict[str, Any]:
+def kv_get(request: ExecutionRequest, config: dict[str, Any], secrets: SecretProvider) -> dict[str, Any]:
     key = request.args["key"]
     try:
         response = httpx.get(_kv_url(config, key), timeout=_timeout(request), trust_env=False)
@@ -156,7 +181,7 @@ def kv_get(request: ExecutionRequest, config: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- send_email --------------------------------------------------------------------------------
-def send_email(request: ExecutionRequest, config: dict[str, Any]) -> dict[str, Any]:
+def send_email(request: ExecutionRequest, config: dict[str, Any], secrets: SecretProvider) -> dict[str, Any]:
     """Send one plain-text message. The idem_key goes in Message-ID and X-Idempotency-Key so a
     receiving system could deduplicate, but SMTP itself cannot: the tool is not idempotent."""
     # Long unbroken header values (the 64-hex idem_key) must not be folded mid-value.
@@ -195,4 +220,4 @@ class BuiltinExecutor:
         fn = self._builtins.get(name)
         if fn is None:
             raise ToolError("EXECUTOR_UNAVAILABLE", f"no built-in tool named {name!r}")
-        return fn(request, config)
+        return fn(request, config, secrets)
