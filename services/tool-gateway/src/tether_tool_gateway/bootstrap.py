@@ -9,6 +9,7 @@ from pathlib import Path
 
 from psycopg_pool import ConnectionPool
 
+from tether_runtime.logging import log_redactor
 from tether_security import EnvSecretProvider, FileSecretProvider, Redactor, SecretRegistry, StaticSecretProvider
 from tether_security import SecretProvider as SecretSource
 
@@ -84,8 +85,9 @@ def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None,
                                         max_wait_ms=settings.rate_limit_max_wait_ms,
                                         grant_ttl_ms=settings.rate_limit_grant_ttl_ms)
     # Every secret value a tool resolves is registered with the redactor before it is used, so
-    # tool output is scrubbed of it (and of secret-shaped strings) before it is recorded.
-    redactor = Redactor()
+    # tool output is scrubbed of it (and of secret-shaped strings) before it is recorded. It is
+    # the process-wide log redactor, so the same values never reach a log line either.
+    redactor = log_redactor()
     secrets = SecretRegistry(secret_source(settings, environ or {}), redactor)
     runner = ToolRunner(
         ledger=ledger,
