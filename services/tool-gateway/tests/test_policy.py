@@ -41,7 +41,8 @@ ALL = ["http_get", "kv_put", "send_email", "refund"]
 
 def refund_tool() -> ToolSpec:
     return ToolSpec(name="refund", version=2, description="refund a payment",
-                    args_schema_json=json.dumps({"type": "object", "properties": {"amount": {}, "order": {"type": "string"}},
+                    args_schema_json=json.dumps({"type": "object",
+                                                 "properties": {"amount": {}, "order": {"type": "string"}},
                                                  "required": ["amount", "order"]}),
                     risk_class=RiskClass.WRITE, idempotent=True, untrusted_source=False, executor_kind="http",
                     constraints_json=json.dumps({"rules": [{"kind": "max_amount", "arg": "/amount", "max": "100"}]}))
@@ -235,8 +236,10 @@ def test_approval_decisions():
                                   decided_args_hash="h", outcome=ApprovalOutcome.APPROVED, approver_id="carol",
                                   comment="", decided_at_ms=NOW)
     assert p.decide_approval(base).verdict == Allow()
-    assert p.decide_approval(dataclasses.replace(base, decided_args_hash="other")).verdict.reason_code == "APPROVAL_REJECTED"
-    assert p.decide_approval(dataclasses.replace(base, decided_at_ms=NOW + 11)).verdict.reason_code == "APPROVAL_EXPIRED"
+    other_args = p.decide_approval(dataclasses.replace(base, decided_args_hash="other")).verdict
+    assert other_args.reason_code == "APPROVAL_REJECTED"
+    assert p.decide_approval(dataclasses.replace(base, decided_at_ms=NOW + 11)).verdict.reason_code == \
+        "APPROVAL_EXPIRED"
     v = p.decide_approval(dataclasses.replace(base, outcome=ApprovalOutcome.REJECTED, comment="no way")).verdict
     assert v == Deny("APPROVAL_REJECTED", "rejected by carol: no way")
 

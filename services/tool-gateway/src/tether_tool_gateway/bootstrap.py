@@ -81,7 +81,8 @@ def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None,
     # The instance slot is stable across restarts; the boot id tells this life from the last,
     # so an intent our previous life left behind is taken over at once.
     owner = Owner(instance=f"{GatewayProcessor.name}-{settings.instance_id}", boot=boot_id or uuid.uuid4().hex)
-    limiter = RedisRateLimiter.from_url(settings.redis_url, key_prefix=settings.topic_prefix + settings.rate_limit_key_prefix,
+    limiter = RedisRateLimiter.from_url(settings.redis_url,
+                                        key_prefix=settings.topic_prefix + settings.rate_limit_key_prefix,
                                         max_wait_ms=settings.rate_limit_max_wait_ms,
                                         grant_ttl_ms=settings.rate_limit_grant_ttl_ms)
     # Every secret value a tool resolves is registered with the redactor before it is used, so

@@ -46,8 +46,8 @@ class GatewaySettings(ServiceSettings):
     rate_limit_key_prefix: str = Field("tether:gateway:", description="Prefix of the rate limiter's Redis keys.")
     rate_limit_max_wait_ms: int = Field(300_000, ge=1, description="Longest wait a rate-limited call may reserve; "
                                                                   "later calls are told to come back.")
-    rate_limit_grant_ttl_ms: int = Field(24 * 3_600_000, ge=1_000, description="How long a call's token is "
-                                                                             "remembered (replays are not charged twice).")
+    rate_limit_grant_ttl_ms: int = Field(
+        24 * 3_600_000, ge=1_000, description="How long a call's token is remembered (replays are not charged twice).")
 
     @model_validator(mode="after")
     def _consistent(self) -> GatewaySettings:

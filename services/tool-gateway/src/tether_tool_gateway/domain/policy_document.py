@@ -78,7 +78,8 @@ class PolicyDocument(_Strict):
     """The whole policy (docs/policy.md)."""
 
     version: str = Field(min_length=1, max_length=100)
-    approval: ApprovalRules = Field(default_factory=lambda: ApprovalRules(require_risk_classes=[RiskClass.IRREVERSIBLE]))
+    approval: ApprovalRules = Field(
+        default_factory=lambda: ApprovalRules(require_risk_classes=[RiskClass.IRREVERSIBLE]))
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
     rate_limits: list[RateLimit] = Field(default_factory=list)
     approval_ttl_ms: int = Field(DEFAULT_APPROVAL_TTL_MS, ge=1)
