@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from tether_budget.domain.decisions import AdmissionPolicy, Retention, idem_key
 from tether_budget.domain.ledger import Ledger
 from tether_budget.domain.loopguard import LoopGuard
+from tether_budget.domain.tenancy import TenantLedger, tenant_key
 from tether_budget.entrypoint import BudgetProcessor
 from tether_budget.handlers import Deps
 from tether_budget.metrics import BudgetMetrics
@@ -30,6 +31,7 @@ from tether_contracts.records import (
     RiskClass,
     RunCompleted,
     SubmitRun,
+    TenantLimits,
     ToolCall,
     ToolCallCompleted,
     ToolCallDenied,
@@ -88,7 +90,8 @@ class Harness:
 
     # -- commands --------------------------------------------------------------------------
     def submit(self, run_id: str = "r1", *, tenant: str = "t1", principal: str = "alice", request_id: str | None = None,
-               run_caps: Caps | None = None, tools: list[ToolSpec] | None = None, event_id: str | None = None) -> list[AvroRecord]:
+               run_caps: Caps | None = None, tools: list[ToolSpec] | None = None, event_id: str | None = None,
+               limits: TenantLimits | None = None) -> list[AvroRecord]:
         cmd = SubmitRun(
             request_id=request_id or f"req-{run_id}",
             principal_id=principal,
@@ -98,6 +101,7 @@ class Harness:
             tools=tools if tools is not None else [tool("search"), tool("fetch"), tool("job_status", pollable=True)],
             caps=run_caps or caps(),
             tenant_grants=["search", "fetch", "job_status"],
+            tenant_limits=limits,
         )
         return self.send(COMMANDS, cmd, run_id, tenant=tenant, event_id=event_id or derived_id(run_id, "SubmitRun"),
                          producer="run-api")
@@ -197,6 +201,9 @@ class Harness:
 
     def ledger(self, run_id: str = "r1") -> Ledger | None:
         return self.driver.states.get(run_id)
+
+    def tenant(self, tenant_id: str = "t1") -> TenantLedger | None:
+        return self.driver.states.get(tenant_key(tenant_id))
 
     def metric(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0

@@ -6,22 +6,39 @@ import structlog
 
 from tether_budget.domain.errors import ProtocolViolation
 from tether_budget.domain.ledger import Ledger
+from tether_budget.domain.tenancy import TenantLedger
 from tether_budget.handlers import COMMAND_HANDLERS, INTAKE_HANDLERS, Deps, check_timers
 from tether_messaging.errors import Unprocessable
-from tether_messaging.processor import Context, Inbound, PydanticStateCodec, TickContext, WorkDone
+from tether_messaging.processor import Context, Inbound, TickContext, WorkDone
 
 log = structlog.get_logger("tether_budget")
+
+_TENANT_MARK = b'{"kind":"tenant"'
+
+
+class BudgetStateCodec:
+    """Changelog codec of the budget's two kinds of state: run ledgers (key = run id) and tenant
+    ledgers (key `tenant:<id>`), both pydantic JSON; a tenant ledger's JSON starts with its kind."""
+
+    def encode(self, state: Ledger | TenantLedger) -> bytes:
+        return state.model_dump_json().encode()
+
+    def decode(self, data: bytes) -> Ledger | TenantLedger:
+        if data.startswith(_TENANT_MARK):
+            return TenantLedger.model_validate_json(data)
+        return Ledger.model_validate_json(data)
 
 
 class BudgetProcessor:
     """The sequencer and ledger keeper, driven by `tether_messaging.loop` (or the in-memory driver).
 
-    Per-run state is the run's `Ledger`, checkpointed to the `budget` changelog in the same
-    transaction as the events it appended.
+    Per-run state is the run's `Ledger`, per-tenant state (on each partition lane) the tenant's
+    `TenantLedger`, both checkpointed to the `budget` changelog in the same transaction as the
+    events appended.
     """
 
     name = "budget"
-    state_codec = PydanticStateCodec(Ledger)
+    state_codec = BudgetStateCodec()
 
     def __init__(self, deps: Deps) -> None:
         self.deps = deps

@@ -3,6 +3,11 @@
 Each handler is a plain function (record first, dependencies as named parameters); the tables
 mapping record types to handlers are at the bottom. Domain guards raise `ProtocolViolation`;
 the processor turns them into dead letters.
+
+A run whose submit carried tenant limits holds a place in its tenant's ledger on the lane
+(`tenant:<id>`, domain/tenancy.py): the handlers load it with the run's ledger, let the domain
+decide with both, and when the run ends free its slot and accept the next queued run, all in
+the same transaction.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from tether_budget.domain.decisions import (
     Plan,
     Retention,
     admit,
+    admit_queued,
     cancel,
     fold,
+    grant_deferred,
     resubmit,
     tick,
     tick_due,
@@ -28,6 +35,7 @@ from tether_budget.domain.decisions import (
 from tether_budget.domain.errors import ProtocolViolation, UnknownRun
 from tether_budget.domain.ledger import Ledger, Reason
 from tether_budget.domain.loopguard import LoopGuard
+from tether_budget.domain.tenancy import TenantLedger, tenant_key
 from tether_budget.metrics import BudgetMetrics
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
@@ -36,11 +44,14 @@ from tether_contracts.records import (
     Envelope,
     RunAccepted,
     RunCompleted,
+    RunQueued,
     RunRejected,
     RunTerminated,
+    StepDeferred,
     StepGranted,
     SubmitRun,
     ToolCallBudgeted,
+    Usage,
 )
 from tether_messaging.chain import seal
 from tether_messaging.envelopes import derived_id, make_envelope
@@ -71,6 +82,48 @@ def _load(ctx: Context, run_id: str) -> Ledger | None:
     # A working copy: the loop keeps the committed object for undo, and a refused record
     # must leave it untouched.
     return None if state is None else state.model_copy(deep=True)
+
+
+def _load_tenant(ctx: Context, tenant_id: str) -> TenantLedger:
+    state = ctx.get_state(tenant_key(tenant_id))
+    return state.clone() if isinstance(state, TenantLedger) else TenantLedger(tenant_id=tenant_id)
+
+
+def _save_tenant(tenant: TenantLedger | None, ctx: Context) -> None:
+    if tenant is not None and tenant.touched:
+        ctx.put_state(tenant_key(tenant.tenant_id), tenant)
+
+
+def _settle_usage(ledger: Ledger, before: Usage, tenant: TenantLedger | None, now_ms: int) -> None:
+    """Charge the tenant with the usage the record added to the run (its spend window, its token
+    bucket in place of the grant's reservation)."""
+    if tenant is None or ledger.usage == before:
+        return
+    tokens = ledger.tokens_used - (before.input_tokens + before.output_tokens)
+    cost = ledger.usage.cost_usd_micros - before.cost_usd_micros
+    tenant.record_usage(tokens, cost, reserved_tokens=ledger.rate_reserved, now_ms=now_ms)
+    ledger.rate_reserved = 0
+
+
+def _release_if_ended(ledger: Ledger, was_open: bool, tenant: TenantLedger | None) -> bool:
+    """A run that held a place in its tenant's ledger ended: free it. True if a slot may be free."""
+    if tenant is None or not was_open or ledger.open:
+        return False
+    tenant.release(ledger.run_id, reserved_tokens=ledger.rate_reserved)
+    ledger.rate_reserved = 0
+    return True
+
+
+def admit_from_queue(tenant: TenantLedger, ctx: Context, *, deps: Deps) -> None:
+    """Accept queued runs, first in line first, while the tenant has free slots on this lane."""
+    while (run_id := tenant.next_queued()) is not None:
+        queued = _load(ctx, run_id)
+        if queued is None or not queued.queued:
+            log.warning("queued_run_missing", tenant_id=tenant.tenant_id, run_id=run_id)
+            continue
+        plan = admit_queued(queued, tenant, now_ms=ctx.now_ms)
+        _release_if_ended(queued, True, tenant)
+        write_plan(plan, queued, ctx, deps=deps, inbound=None)
 
 
 def _decision_envelope(
@@ -137,6 +190,10 @@ def _count(payload: AvroRecord | None, sealed: Envelope, metrics: BudgetMetrics)
         return
     if isinstance(payload, RunAccepted):
         metrics.runs_accepted.inc()
+    elif isinstance(payload, RunQueued):
+        metrics.runs_queued.inc()
+    elif isinstance(payload, StepDeferred):
+        metrics.steps_deferred.inc()
     elif isinstance(payload, RunRejected):
         metrics.runs_rejected.labels(payload.reason_code).inc()
     elif isinstance(payload, RunTerminated):
@@ -152,12 +209,14 @@ def _count(payload: AvroRecord | None, sealed: Envelope, metrics: BudgetMetrics)
 
 
 def submit_run(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
-    """SubmitRun → RunAccepted + StepGranted(1), or RunRejected; a repeated submit is dropped."""
+    """SubmitRun → RunAccepted + StepGranted(1), RunQueued (the tenant is at its concurrency cap
+    on this lane), or RunRejected; a repeated submit is dropped."""
     env, command = msg.envelope, msg.payload
     existing = _load(ctx, env.run_id)
     if existing is not None:
         write_plan(resubmit(existing, command, event_id=env.event_id), existing, ctx, deps=deps, inbound=env)
         return
+    tenant = _load_tenant(ctx, env.tenant_id) if command.tenant_limits is not None else None
     ledger, plan = admit(
         command,
         run_id=env.run_id,
@@ -166,8 +225,12 @@ def submit_run(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
         event_id=env.event_id,
         now_ms=ctx.now_ms,
         policy=deps.policy,
+        tenant=tenant,
     )
     write_plan(plan, ledger, ctx, deps=deps, inbound=env)
+    if tenant is not None:
+        admit_from_queue(tenant, ctx, deps=deps)  # the new limits may have freed slots
+        _save_tenant(tenant, ctx)
 
 
 def cancel_run(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
@@ -176,8 +239,14 @@ def cancel_run(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
     ledger = _load(ctx, env.run_id)
     if ledger is None:
         raise UnknownRun(env.run_id)
+    was_open = ledger.open
     plan = cancel(ledger, msg.payload, tenant_id=env.tenant_id, now_ms=ctx.now_ms)
+    tenant = _load_tenant(ctx, ledger.tenant_id) if ledger.tenant_tracked else None
+    freed = _release_if_ended(ledger, was_open, tenant)
     write_plan(plan, ledger, ctx, deps=deps, inbound=env)
+    if freed:
+        admit_from_queue(tenant, ctx, deps=deps)
+    _save_tenant(tenant, ctx)
 
 
 def not_ours(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
@@ -197,10 +266,23 @@ def sequence_intake(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
         raise ProtocolViolation(
             "WRONG_PARTITION", f"run {env.run_id} lives on partition {ledger.partition}, record came on {ctx.partition}"
         )
+    tenant = _load_tenant(ctx, ledger.tenant_id) if ledger.tenant_tracked else None
+    was_open, usage_before = ledger.open, ledger.usage
     plan = fold(
-        ledger, msg.payload, event_id=env.event_id, tenant_id=env.tenant_id, guard=deps.guard, now_ms=ctx.now_ms
+        ledger,
+        msg.payload,
+        event_id=env.event_id,
+        tenant_id=env.tenant_id,
+        guard=deps.guard,
+        now_ms=ctx.now_ms,
+        tenant=tenant,
     )
+    _settle_usage(ledger, usage_before, tenant, ctx.now_ms)
+    freed = _release_if_ended(ledger, was_open, tenant)
     write_plan(plan, ledger, ctx, deps=deps, inbound=env)
+    if freed:
+        admit_from_queue(tenant, ctx, deps=deps)
+    _save_tenant(tenant, ctx)
 
 
 # -- timers ----------------------------------------------------------------------------------
@@ -212,19 +294,47 @@ def check_run_timers(run_id: str, ctx: Context, *, deps: Deps) -> None:
     if not isinstance(state, Ledger) or not tick_due(state, now_ms=ctx.now_ms, retention=deps.retention):
         return
     ledger = state.model_copy(deep=True)
+    was_open = ledger.open
     result = tick(ledger, now_ms=ctx.now_ms, retention=deps.retention)
     if result.forget:
         ctx.put_state(run_id, None)
     elif result.changed:
+        tenant = _load_tenant(ctx, ledger.tenant_id) if ledger.tenant_tracked else None
+        freed = _release_if_ended(ledger, was_open, tenant)
         write_plan(result.plan, ledger, ctx, deps=deps, inbound=None)
+        if freed:
+            admit_from_queue(tenant, ctx, deps=deps)
+        _save_tenant(tenant, ctx)
+
+
+def check_tenant_timers(key: str, ctx: Context, *, deps: Deps) -> None:
+    """Grants deferred by the tenant's token rate, longest waiting first, once its bucket refills."""
+    state = ctx.get_state(key)
+    if not isinstance(state, TenantLedger) or not state.deferred or state.level_at(ctx.now_ms) <= 0:
+        return
+    tenant = state.clone()
+    freed = False
+    while (run_id := tenant.next_deferred(ctx.now_ms)) is not None:
+        ledger = _load(ctx, run_id)
+        if ledger is None:
+            continue
+        plan = grant_deferred(ledger, tenant, now_ms=ctx.now_ms)
+        freed = _release_if_ended(ledger, True, tenant) or freed
+        write_plan(plan, ledger, ctx, deps=deps, inbound=None)
+    if freed:
+        admit_from_queue(tenant, ctx, deps=deps)
+    _save_tenant(tenant, ctx)
 
 
 def check_timers(ctx: TickContext, *, deps: Deps) -> None:
-    """Run the timers of every run in the partitions this instance owns."""
+    """Run the timers of every run and tenant ledger in the partitions this instance owns."""
     for partition in ctx.owned_partitions():
         pctx = ctx.for_partition(partition)
-        for run_id in ctx.runs_with_state(partition):
-            check_run_timers(run_id, pctx, deps=deps)
+        for key in ctx.runs_with_state(partition):
+            if key.startswith("tenant:"):
+                check_tenant_timers(key, pctx, deps=deps)
+            else:
+                check_run_timers(key, pctx, deps=deps)
 
 
 Handler = Callable[..., None]

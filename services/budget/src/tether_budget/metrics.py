@@ -14,6 +14,13 @@ class BudgetMetrics:
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.runs_accepted = Counter("tether_budget_runs_accepted_total", "Runs admitted.", registry=registry)
+        self.runs_queued = Counter(
+            "tether_budget_runs_queued_total", "Runs put in their tenant's queue (at its concurrency cap).",
+            registry=registry,
+        )
+        self.steps_deferred = Counter(
+            "tether_budget_steps_deferred_total", "Grants deferred by a tenant's token rate.", registry=registry
+        )
         self.runs_rejected = Counter(
             "tether_budget_runs_rejected_total", "Runs refused at admission, by reason.", ["reason"], registry=registry
         )

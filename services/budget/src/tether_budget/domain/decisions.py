@@ -32,6 +32,7 @@ from tether_budget.domain.loopguard import (
     call_signature,
 )
 from tether_budget.domain.report import termination_report
+from tether_budget.domain.tenancy import TenantLedger
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
     ApprovalDecided,
@@ -43,8 +44,10 @@ from tether_contracts.records import (
     Remaining,
     RunAccepted,
     RunCompleted,
+    RunQueued,
     RunRejected,
     RunTerminated,
+    StepDeferred,
     StepGranted,
     SubmitRun,
     ToolCallBudgeted,
@@ -162,8 +165,14 @@ def admit(
     event_id: str,
     now_ms: int,
     policy: AdmissionPolicy,
+    tenant: TenantLedger | None = None,
 ) -> tuple[Ledger, Plan]:
-    """Admit a new run (RunAccepted + StepGranted(1)) or refuse it (RunRejected)."""
+    """Admit a new run (RunAccepted + StepGranted(1)), queue it behind the tenant's running runs
+    (RunQueued), or refuse it (RunRejected).
+
+    `tenant` is the tenant's ledger on this lane when the submit carries tenant limits (it is
+    updated in place); without it the run is admitted as far as its own caps allow.
+    """
     if ":" in run_id:
         raise ProtocolViolation("BAD_RUN_ID", f"run id {run_id!r} must not contain ':'")
     ledger = Ledger(
@@ -176,12 +185,65 @@ def admit(
     )
     problem = _admission_problem(submit, policy)
     if problem is not None:
-        reason, detail = problem
-        ledger.end(RunStatus.REJECTED, reason, now_ms)
-        ledger.tombstone()
-        rejected = RunRejected(request_id=submit.request_id, reason_code=reason, detail=detail)
-        return ledger, Plan([Decide(rejected, ("RunRejected",))])
+        return ledger, _reject(ledger, submit, *problem, now_ms)
+    if tenant is None or submit.tenant_limits is None:
+        return ledger, _accept(ledger, submit, now_ms, None)
 
+    ledger.tenant_tracked = True
+    tenant.apply_limits(submit.tenant_limits)
+    over = tenant.spend_breach(now_ms)
+    if over is not None:
+        return ledger, _reject(ledger, submit, Reason.TENANT_SPEND_CAP, over, now_ms)
+    if tenant.has_free_slot() and not tenant.queue:
+        tenant.start(ledger.run_id)
+        return ledger, _accept(ledger, submit, now_ms, tenant)
+    limits = tenant.limits
+    if tenant.queue_full():
+        if limits.max_queued_runs <= 0:
+            detail = f"tenant {tenant_id} runs {len(tenant.running)} of {limits.max_concurrent_runs} at once here"
+            return ledger, _reject(ledger, submit, Reason.TENANT_CONCURRENCY_CAP, detail, now_ms)
+        detail = (f"tenant {tenant_id} has {len(tenant.queue)} runs queued (the most allowed here) and "
+                  f"{len(tenant.running)} of {limits.max_concurrent_runs} running")
+        return ledger, _reject(ledger, submit, Reason.TENANT_QUEUE_FULL, detail, now_ms)
+    position = tenant.enqueue(ledger.run_id)
+    ledger.status = RunStatus.QUEUED
+    ledger.queued_at_ms = now_ms
+    ledger.queued_submit = submit.to_avro()
+    queued = RunQueued(
+        principal_id=submit.principal_id,
+        request_id=submit.request_id,
+        goal=submit.goal,
+        agent=submit.agent,
+        position=position,
+        running=len(tenant.running),
+        max_concurrent_runs=limits.max_concurrent_runs,
+    )
+    return ledger, Plan([Decide(queued, ("RunQueued",))])
+
+
+def admit_queued(ledger: Ledger, tenant: TenantLedger, *, now_ms: int) -> Plan:
+    """A slot freed and this run was first in the tenant's queue: accept it now (or reject it if
+    the tenant reached its spend cap while it waited). The tenant already took it off the queue."""
+    if not ledger.queued or ledger.queued_submit is None:
+        raise ProtocolViolation("NOT_QUEUED", f"run {ledger.run_id} is {ledger.status}, not queued")
+    submit = SubmitRun.from_avro(ledger.queued_submit)
+    ledger.queued_submit = None
+    over = tenant.spend_breach(now_ms)
+    if over is not None:
+        return _reject(ledger, submit, Reason.TENANT_SPEND_CAP, over, now_ms)
+    ledger.status = RunStatus.ACTIVE
+    tenant.start(ledger.run_id)
+    return _accept(ledger, submit, now_ms, tenant)
+
+
+def _reject(ledger: Ledger, submit: SubmitRun, reason: Reason, detail: str, now_ms: int) -> Plan:
+    ledger.end(RunStatus.REJECTED, reason, now_ms)
+    ledger.tombstone()
+    rejected = RunRejected(request_id=submit.request_id, reason_code=reason, detail=detail)
+    return Plan([Decide(rejected, ("RunRejected",))])
+
+
+def _accept(ledger: Ledger, submit: SubmitRun, now_ms: int, tenant: TenantLedger | None) -> Plan:
     caps = submit.caps
     ledger.caps = caps
     ledger.accepted_at_ms = now_ms
@@ -201,7 +263,7 @@ def admit(
         delegated_scope=submit.delegated_scope,
         deadline_ms=ledger.deadline_ms,
     )
-    return ledger, Plan([Decide(accepted, ("RunAccepted",))]).extend(_grant_or_stop(ledger, now_ms))
+    return Plan([Decide(accepted, ("RunAccepted",))]).extend(_grant_or_stop(ledger, now_ms, tenant))
 
 
 def resubmit(ledger: Ledger, submit: SubmitRun, *, event_id: str) -> Plan:
@@ -215,7 +277,7 @@ def cancel(ledger: Ledger, command: CancelRun, *, tenant_id: str, now_ms: int) -
     """CancelRun from the submitter or anyone in the run's tenant → RunTerminated(CANCELLED)."""
     if tenant_id != ledger.tenant_id:
         raise CancelForbidden(ledger.run_id, tenant_id)
-    if not ledger.active:
+    if not ledger.open:
         return Plan(dropped="RUN_ENDED")
     who = "the submitter" if command.principal_id == ledger.principal_id else "a member of the tenant"
     detail = f"cancelled by {command.principal_id} ({who})" + (f": {command.reason}" if command.reason else "")
@@ -273,14 +335,19 @@ def _grant_breach(ledger: Ledger, step: int, now_ms: int) -> tuple[Reason, str] 
     return _wall_clock_breach(ledger, now_ms)
 
 
-def _tool_call_breach(ledger: Ledger, now_ms: int) -> tuple[Reason, str] | None:
+def _tenant_breach(tenant: TenantLedger | None, now_ms: int) -> tuple[Reason, str] | None:
+    over = tenant.spend_breach(now_ms) if tenant is not None else None
+    return (Reason.TENANT_SPEND_CAP, over) if over is not None else None
+
+
+def _tool_call_breach(ledger: Ledger, now_ms: int, tenant: TenantLedger | None) -> tuple[Reason, str] | None:
     """Checked before every tool call is budgeted."""
     caps = ledger.caps
     if caps is None:
         raise ProtocolViolation("NOT_ADMITTED", f"run {ledger.run_id} has no caps")
     if ledger.tool_calls_budgeted >= caps.max_tool_calls:
         return Reason.TOOL_CALL_CAP, f"all {caps.max_tool_calls} tool calls used"
-    return _usage_exceeded(ledger) or _wall_clock_breach(ledger, now_ms)
+    return _usage_exceeded(ledger) or _wall_clock_breach(ledger, now_ms) or _tenant_breach(tenant, now_ms)
 
 
 # -- grants and termination ------------------------------------------------------------------
@@ -292,11 +359,22 @@ def _terminate(ledger: Ledger, reason: Reason, detail: str, now_ms: int) -> Plan
     return Plan([Decide(RunTerminated(reason_code=reason, report=report), ("RunTerminated",))])
 
 
-def _grant_or_stop(ledger: Ledger, now_ms: int) -> Plan:
+def _grant_or_stop(ledger: Ledger, now_ms: int, tenant: TenantLedger | None) -> Plan:
     step = ledger.step + 1
-    breach = _grant_breach(ledger, step, now_ms)
+    breach = _grant_breach(ledger, step, now_ms) or _tenant_breach(tenant, now_ms)
     if breach is not None:
         return _terminate(ledger, *breach, now_ms)
+    if tenant is not None and tenant.over_rate(now_ms):
+        # Deferred, not denied: the budget's timer grants it when the tenant's bucket refills.
+        tenant.defer(ledger.run_id)
+        ledger.deferred_step = step
+        deferred = StepDeferred(step=step, reason_code="TENANT_TOKEN_RATE",
+                                tokens_available=int(tenant.rate_room(now_ms)),
+                                not_before_ms=tenant.refill_at(now_ms))
+        return Plan([Decide(deferred, ("StepDeferred", step))])
+    if tenant is not None:
+        ledger.rate_reserved += tenant.reserve(now_ms)
+    ledger.deferred_step = None
     ledger.step = step
     ledger.current = StepEntry(step=step, granted_at_ms=now_ms)
     warning, ledger.pending_warning = ledger.pending_warning, None
@@ -321,7 +399,14 @@ def _step_signature(ledger: Ledger) -> StepSignature:
     )
 
 
-def _finish_step(ledger: Ledger, guard: LoopGuard, now_ms: int) -> Plan:
+def grant_deferred(ledger: Ledger, tenant: TenantLedger, *, now_ms: int) -> Plan:
+    """The tenant's bucket has room again and this run's grant waited longest: grant (or stop) now."""
+    if not ledger.active or ledger.deferred_step is None:
+        return Plan(dropped="NOT_DEFERRED")
+    return _grant_or_stop(ledger, now_ms, tenant)
+
+
+def _finish_step(ledger: Ledger, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None) -> Plan:
     """Every call of the step has an outcome: look for a loop, then grant the next step or stop."""
     warned_before = ledger.loop.warned
     verdict, detection = guard.observe(ledger.loop, _step_signature(ledger))
@@ -333,7 +418,7 @@ def _finish_step(ledger: Ledger, guard: LoopGuard, now_ms: int) -> Plan:
         return plan
     if verdict is Verdict.WARN and detection is not None:
         ledger.pending_warning = detection.warning()
-    plan = _grant_or_stop(ledger, now_ms)
+    plan = _grant_or_stop(ledger, now_ms, tenant)
     plan.detection = detection
     return plan
 
@@ -360,7 +445,9 @@ def _call(ledger: Ledger, step: int, call_id: str, key: str) -> CallEntry:
     return call
 
 
-def _model_call_completed(ledger: Ledger, ev: ModelCallCompleted, guard: LoopGuard, now_ms: int) -> Plan:
+def _model_call_completed(
+    ledger: Ledger, ev: ModelCallCompleted, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None
+) -> Plan:
     cur = _current_step(ledger, ev.step)
     if cur.model_done:
         raise ProtocolViolation("DUPLICATE_MODEL_CALL", f"step {ev.step} already has a model call outcome")
@@ -378,7 +465,9 @@ def _model_call_completed(ledger: Ledger, ev: ModelCallCompleted, guard: LoopGua
     return plan
 
 
-def _model_call_failed(ledger: Ledger, ev: ModelCallFailed, guard: LoopGuard, now_ms: int) -> Plan:
+def _model_call_failed(
+    ledger: Ledger, ev: ModelCallFailed, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None
+) -> Plan:
     cur = _current_step(ledger, ev.step)
     if cur.model_done:
         raise ProtocolViolation("DUPLICATE_MODEL_CALL", f"step {ev.step} already has a model call outcome")
@@ -391,7 +480,9 @@ def _model_call_failed(ledger: Ledger, ev: ModelCallFailed, guard: LoopGuard, no
     return Plan([APPEND]).extend(_terminate(ledger, reason, detail, now_ms))
 
 
-def _tool_call_requested(ledger: Ledger, ev: ToolCallRequested, guard: LoopGuard, now_ms: int) -> Plan:
+def _tool_call_requested(
+    ledger: Ledger, ev: ToolCallRequested, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None
+) -> Plan:
     cur = _current_step(ledger, ev.step)
     call = ev.call
     if not cur.model_done or cur.tool_call_count is None:
@@ -418,7 +509,7 @@ def _tool_call_requested(ledger: Ledger, ev: ToolCallRequested, guard: LoopGuard
         args_json=call.args_json,
         status=CallStatus.BUDGETED,
     )
-    breach = _tool_call_breach(ledger, now_ms)
+    breach = _tool_call_breach(ledger, now_ms, tenant)
     ledger.calls[call.call_id] = entry
     cur.call_ids.append(call.call_id)
     if breach is not None:
@@ -449,7 +540,7 @@ def _record_outcome(ledger: Ledger, call: CallEntry, ev: Outcome) -> None:
         ledger.last_error = f"{call.call_id} {call.tool_name} denied {ev.reason_code}: {ev.detail}"
 
 
-def _tool_call_outcome(ledger: Ledger, ev: Outcome, guard: LoopGuard, now_ms: int) -> Plan:
+def _tool_call_outcome(ledger: Ledger, ev: Outcome, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None) -> Plan:
     call = _call(ledger, ev.step, ev.call_id, ev.idem_key)
     if call.status not in OPEN:
         code = "DUPLICATE_OUTCOME" if call.status in TERMINAL else "CALL_NOT_BUDGETED"
@@ -457,11 +548,13 @@ def _tool_call_outcome(ledger: Ledger, ev: Outcome, guard: LoopGuard, now_ms: in
     _record_outcome(ledger, call, ev)
     plan = Plan([APPEND])
     if ledger.step_finished():
-        plan.extend(_finish_step(ledger, guard, now_ms))
+        plan.extend(_finish_step(ledger, guard, now_ms, tenant))
     return plan
 
 
-def _tool_call_outcome_unknown(ledger: Ledger, ev: ToolCallOutcomeUnknown, guard: LoopGuard, now_ms: int) -> Plan:
+def _tool_call_outcome_unknown(
+    ledger: Ledger, ev: ToolCallOutcomeUnknown, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None
+) -> Plan:
     call = _call(ledger, ev.step, ev.call_id, ev.idem_key)
     if call.status not in _MAY_EXECUTE:
         raise ProtocolViolation("UNEXPECTED_OUTCOME_UNKNOWN", f"call {call.call_id} is {call.status}")
@@ -470,7 +563,9 @@ def _tool_call_outcome_unknown(ledger: Ledger, ev: ToolCallOutcomeUnknown, guard
     return Plan([APPEND])  # the step cannot finish: the run is parked until a human decides
 
 
-def _tool_call_deferred(ledger: Ledger, ev: ToolCallDeferred, guard: LoopGuard, now_ms: int) -> Plan:
+def _tool_call_deferred(
+    ledger: Ledger, ev: ToolCallDeferred, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None
+) -> Plan:
     # The gateway's rate limiter made an allowed call wait: a recorded decision, not an outcome.
     call = _call(ledger, ev.step, ev.call_id, ev.idem_key)
     if call.status not in _MAY_EXECUTE:
@@ -478,7 +573,9 @@ def _tool_call_deferred(ledger: Ledger, ev: ToolCallDeferred, guard: LoopGuard, 
     return Plan([APPEND])
 
 
-def _approval_requested(ledger: Ledger, ev: ApprovalRequested, guard: LoopGuard, now_ms: int) -> Plan:
+def _approval_requested(
+    ledger: Ledger, ev: ApprovalRequested, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None
+) -> Plan:
     call = _call(ledger, ev.step, ev.call_id, ev.idem_key)
     if ev.args_hash != hashlib.sha256(call.args_json.encode()).hexdigest():
         raise ProtocolViolation("APPROVAL_MISMATCH", f"approval {ev.approval_id} is bound to other arguments")
@@ -490,7 +587,9 @@ def _approval_requested(ledger: Ledger, ev: ApprovalRequested, guard: LoopGuard,
     return Plan([APPEND])
 
 
-def _approval_decided(ledger: Ledger, ev: ApprovalDecided, guard: LoopGuard, now_ms: int) -> Plan:
+def _approval_decided(
+    ledger: Ledger, ev: ApprovalDecided, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None
+) -> Plan:
     call = ledger.calls.get(ev.call_id)
     if call is None:
         raise ProtocolViolation("UNKNOWN_CALL", f"call {ev.call_id} was never requested")
@@ -512,7 +611,7 @@ def _approval_decided(ledger: Ledger, ev: ApprovalDecided, guard: LoopGuard, now
         call.status = CallStatus.RESOLVED
         call.observation = f"outcome unknown; {ev.approver_id} let the run continue: {ev.comment}"
         if ledger.step_finished():
-            plan.extend(_finish_step(ledger, guard, now_ms))
+            plan.extend(_finish_step(ledger, guard, now_ms, tenant))
         return plan
     what = f"{call.call_id} {call.tool_name}"
     if ev.outcome is ApprovalOutcome.EXPIRED:
@@ -524,7 +623,9 @@ def _approval_decided(ledger: Ledger, ev: ApprovalDecided, guard: LoopGuard, now
     return plan.extend(_terminate(ledger, Reason.OUTCOME_UNKNOWN, detail, now_ms))
 
 
-def _run_completed(ledger: Ledger, ev: RunCompleted, guard: LoopGuard, now_ms: int) -> Plan:
+def _run_completed(
+    ledger: Ledger, ev: RunCompleted, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None
+) -> Plan:
     cur = _current_step(ledger, ev.step)
     if not cur.model_done or cur.tool_call_count != 0:
         raise ProtocolViolation("UNEXPECTED_COMPLETION", f"step {ev.step} did not end with a final answer")
@@ -532,7 +633,7 @@ def _run_completed(ledger: Ledger, ev: RunCompleted, guard: LoopGuard, now_ms: i
     return Plan([APPEND])
 
 
-_ACTIVE: dict[type[AvroRecord], Callable[[Ledger, Any, LoopGuard, int], Plan]] = {
+_ACTIVE: dict[type[AvroRecord], Callable[[Ledger, Any, LoopGuard, int, TenantLedger | None], Plan]] = {
     ModelCallCompleted: _model_call_completed,
     ModelCallFailed: _model_call_failed,
     ToolCallRequested: _tool_call_requested,
@@ -579,9 +680,11 @@ def _after_end(ledger: Ledger, record: AvroRecord) -> Plan:
     return ended
 
 
-def fold(ledger: Ledger, record: AvroRecord, *, event_id: str, tenant_id: str, guard: LoopGuard, now_ms: int) -> Plan:
+def fold(ledger: Ledger, record: AvroRecord, *, event_id: str, tenant_id: str, guard: LoopGuard, now_ms: int,
+         tenant: TenantLedger | None = None) -> Plan:
     """Sequence one intake record into the run: append it (or drop a duplicate / late request) and
-    append the decisions it triggers."""
+    append the decisions it triggers. `tenant` is the run's tenant ledger when the run holds a
+    tenant slot (grants and budgets then also check the tenant's spend and token rate)."""
     if tenant_id != ledger.tenant_id:
         raise ProtocolViolation("TENANT_MISMATCH", f"record of tenant {tenant_id} for a run of {ledger.tenant_id}")
     handler = _ACTIVE.get(type(record))
@@ -589,9 +692,11 @@ def fold(ledger: Ledger, record: AvroRecord, *, event_id: str, tenant_id: str, g
         raise ProtocolViolation("UNEXPECTED_RECORD", f"{record.AVRO_NAME} is not an intake record")
     if event_id in ledger.seen_event_ids:
         return Plan(dropped="DUPLICATE_EVENT")
+    if ledger.queued:
+        raise ProtocolViolation("RUN_QUEUED", f"run {ledger.run_id} waits in its tenant's queue; nothing was granted")
     if not ledger.active:
         return _after_end(ledger, record)
-    plan = handler(ledger, record, guard, now_ms)
+    plan = handler(ledger, record, guard, now_ms, tenant)
     if ledger.active:
         ledger.track_human_wait(now_ms)
     return plan
@@ -611,7 +716,10 @@ class TickResult:
 
 def tick(ledger: Ledger, *, now_ms: int, retention: Retention) -> TickResult:
     """Timers: the wall-clock cap of an active run (paused while it waits for a human), and the
-    retention of an ended run's ledger (full → tombstone → forgotten)."""
+    retention of an ended run's ledger (full → tombstone → forgotten). A queued run has no timer:
+    its wall clock starts when it is accepted."""
+    if ledger.queued:
+        return TickResult()
     if ledger.active:
         if ledger.waiting_for_human:
             return TickResult()
@@ -630,6 +738,8 @@ def tick(ledger: Ledger, *, now_ms: int, retention: Retention) -> TickResult:
 
 def tick_due(ledger: Ledger, *, now_ms: int, retention: Retention) -> bool:
     """Whether `tick` would change anything (a cheap read-only check run every second per run)."""
+    if ledger.queued:
+        return False
     if ledger.active:
         return not ledger.waiting_for_human and now_ms >= ledger.deadline_at(now_ms)
     ended = ledger.ended_at_ms or 0

@@ -4,13 +4,15 @@ It is a fold over the run's events: caps and deadline, the chain position (seq, 
 cumulative usage, the current step and every tool call with its status, the event ids
 already sequenced, the loop guard's memory. After the run ends the ledger is kept in full for
 a while, then shrunk to a tombstone that still recognises late duplicates, then forgotten.
-A per-tenant ledger (concurrency, spend) fits beside it in the same state store under the key
-`tenant:<tenant_id>` (run ids never contain ':').
+The per-tenant ledger of a partition lane (concurrency, queue, spend, token rate) lives beside
+it in the same state store under the key `tenant:<tenant_id>` (domain/tenancy.py).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -21,6 +23,7 @@ GENESIS_HASH = "0" * 64  # prev_hash of a run's first event (tether_messaging.ch
 
 
 class RunStatus(StrEnum):
+    QUEUED = "QUEUED"  # waiting in the tenant's queue for a concurrency slot; nothing granted yet
     ACTIVE = "ACTIVE"
     COMPLETED = "COMPLETED"
     TERMINATED = "TERMINATED"
@@ -64,6 +67,9 @@ class Reason(StrEnum):
     INVALID_CAPS = "INVALID_CAPS"
     CAPS_ABOVE_CEILING = "CAPS_ABOVE_CEILING"
     INVALID_TOOLS = "INVALID_TOOLS"
+    TENANT_QUEUE_FULL = "TENANT_QUEUE_FULL"  # the tenant's queue on the lane is full
+    TENANT_CONCURRENCY_CAP = "TENANT_CONCURRENCY_CAP"  # at the cap and the tenant has no queue
+    TENANT_SPEND_CAP = "TENANT_SPEND_CAP"  # the tenant's spend on the lane reached its cap
 
 
 class ToolFacts(BaseModel):
@@ -131,6 +137,15 @@ class Ledger(BaseModel):
     pending_warning: str | None = Field(None, description="Loop warning to give with the next grant.")
     last_error: str | None = None
 
+    # -- tenancy (domain/tenancy.py) --------------------------------------------------------
+    tenant_tracked: bool = Field(False, description="The submit carried tenant limits: the run holds a tenant slot.")
+    queued_at_ms: int | None = None
+    queued_submit: dict[str, Any] | None = Field(
+        None, description="The SubmitRun datum of a queued run, to accept it when a slot frees."
+    )
+    deferred_step: int | None = Field(None, description="Step whose grant waits for the tenant's token rate.")
+    rate_reserved: int = Field(0, description="Tokens the granted step reserved from the tenant's bucket.")
+
     ended_at_ms: int | None = None
     end_reason: str | None = None
     tombstoned: bool = False
@@ -146,6 +161,15 @@ class Ledger(BaseModel):
     @property
     def active(self) -> bool:
         return self.status is RunStatus.ACTIVE
+
+    @property
+    def queued(self) -> bool:
+        return self.status is RunStatus.QUEUED
+
+    @property
+    def open(self) -> bool:
+        """Queued or active: the run holds a place in its tenant's ledger."""
+        return self.status in (RunStatus.QUEUED, RunStatus.ACTIVE)
 
     @property
     def tokens_used(self) -> int:
@@ -194,6 +218,8 @@ class Ledger(BaseModel):
             self.waiting_since_ms = None
         self.status, self.end_reason, self.ended_at_ms = status, reason, now_ms
         self.pending_warning = None
+        self.queued_submit = None
+        self.deferred_step = None
 
     def tombstone(self) -> None:
         """Shrink an ended ledger to what late records can still touch: the chain position and

@@ -19,11 +19,17 @@ _NEXT_ACTION: dict[str, str] = {
     Reason.CONTEXT_OVERFLOW: "Use a model with a larger context window, or split the goal into smaller runs.",
     Reason.APPROVAL_TIMEOUT: "Decide pending approvals within their expiry; resubmit the run.",
     Reason.OUTCOME_UNKNOWN: "Check in the target system whether the interrupted call took effect before resubmitting.",
+    Reason.TENANT_SPEND_CAP: "The tenant's spend cap is reached; resubmit in the next spend window or ask an operator "
+    "to raise the tenant's cap.",
 }
 
 
 def _pending(ledger: Ledger) -> list[str]:
     pending: list[str] = []
+    if ledger.queued:
+        pending.append("the whole run (it was waiting in the tenant's queue; nothing ran)")
+    if ledger.deferred_step is not None:
+        pending.append(f"model call for step {ledger.deferred_step} (its grant waited for the tenant's token rate)")
     cur = ledger.current
     if cur is not None and not cur.model_done:
         pending.append(f"model call for step {cur.step}")

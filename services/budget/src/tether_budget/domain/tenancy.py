@@ -1,0 +1,205 @@
+"""The per-tenant ledger of one partition lane: concurrency slots, the tenant's queue, spend and token rate.
+
+A tenant's runs land on its home partition (or its spread of N partitions), so the runs of
+one lane are all handled by the budget instance that owns that partition. The tenant ledger
+lives in the same state store as the run ledgers, under the key `tenant:<tenant_id>` (run
+ids never contain ':'), and is checkpointed in the same transaction as the events its
+decisions produced. Its limits are the lane's share of the tenant's totals, as carried by the
+latest SubmitRun (`TenantLimits`).
+
+Everything here is pure: decisions read the ledger and the recorded clock value `now_ms`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, PrivateAttr
+
+from tether_contracts.records import TenantLimits
+
+TENANT_KEY_PREFIX = "tenant:"
+MINUTE_MS = 60_000
+#: Weight of the newest model call in the tenant's tokens-per-step estimate (the reservation a grant takes).
+ESTIMATE_WEIGHT = 0.2
+
+
+def tenant_key(tenant_id: str) -> str:
+    """The state-store key of a tenant's ledger."""
+    return f"{TENANT_KEY_PREFIX}{tenant_id}"
+
+
+def is_tenant_key(key: str) -> bool:
+    return key.startswith(TENANT_KEY_PREFIX)
+
+
+class TenantLedger(BaseModel):
+    """One tenant's ledger on one partition lane."""
+
+    kind: Literal["tenant"] = Field("tenant", description="Tells the changelog codec this is not a run ledger.")
+    tenant_id: str
+    limits: TenantLimits = Field(default_factory=TenantLimits)
+    running: list[str] = Field(default_factory=list, description="Runs admitted and not ended, in admission order.")
+    queue: list[str] = Field(default_factory=list, description="Runs waiting for a slot, first in line first.")
+    deferred: list[str] = Field(default_factory=list, description="Runs whose next grant waits for the token rate.")
+    spend_window_start_ms: int = 0
+    spent_usd_micros: int = Field(0, description="Model spend in the current window.")
+    tokens: float | None = Field(None, description="Token bucket level (None = full); negative after overuse.")
+    tokens_at_ms: int = 0
+    step_tokens_estimate: float = Field(0.0, description="Moving average of tokens per model call.")
+
+    _touched: bool = PrivateAttr(False)
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def clone(self) -> TenantLedger:
+        """A working copy. Containers are copied (not their immutable items), so this stays cheap
+        with thousands of queued runs; the loop keeps the committed object for undo."""
+        copy = self.model_copy(update={"running": list(self.running), "queue": list(self.queue),
+                                       "deferred": list(self.deferred)})
+        copy._touched = False
+        return copy
+
+    @property
+    def touched(self) -> bool:
+        """Whether a decision changed the ledger (so it must be checkpointed)."""
+        return self._touched
+
+    def touch(self) -> None:
+        self._touched = True
+
+    def apply_limits(self, limits: TenantLimits) -> None:
+        """The latest submit's limits apply to the lane from now on."""
+        if limits != self.limits:
+            self.limits = limits
+            self.touch()
+
+    # -- concurrency and queue ----------------------------------------------------------------
+    def has_free_slot(self) -> bool:
+        cap = self.limits.max_concurrent_runs
+        return cap <= 0 or len(self.running) < cap
+
+    def queue_full(self) -> bool:
+        return len(self.queue) >= max(0, self.limits.max_queued_runs)
+
+    def start(self, run_id: str) -> None:
+        """The run was admitted: it holds a slot until it ends."""
+        if run_id not in self.running:
+            self.running.append(run_id)
+            self.touch()
+
+    def enqueue(self, run_id: str) -> int:
+        """Put the run at the back of the queue; returns its position (1 = next)."""
+        if run_id not in self.queue:
+            self.queue.append(run_id)
+            self.touch()
+        return self.queue.index(run_id) + 1
+
+    def next_queued(self) -> str | None:
+        """Take the first queued run if a slot is free (the caller admits or rejects it)."""
+        if not self.queue or not self.has_free_slot():
+            return None
+        self.touch()
+        return self.queue.pop(0)
+
+    def release(self, run_id: str, *, reserved_tokens: int = 0) -> None:
+        """The run ended (or was cancelled while queued): free its slot, place and deferral, and
+        give back a token reservation its granted step never used."""
+        for line in (self.running, self.queue, self.deferred):
+            if run_id in line:
+                line.remove(run_id)
+                self.touch()
+        if reserved_tokens and self.tokens is not None:
+            self.tokens += reserved_tokens
+            self.touch()
+
+    # -- spend ----------------------------------------------------------------------------------
+    def _roll_window(self, now_ms: int) -> None:
+        window = self.limits.spend_window_ms
+        if window <= 0:
+            return
+        start = now_ms - now_ms % window
+        if start != self.spend_window_start_ms:
+            self.spend_window_start_ms, self.spent_usd_micros = start, 0
+            self.touch()
+
+    def spend_breach(self, now_ms: int) -> str | None:
+        """Why no more work may start for the tenant on this lane (its spend cap), or None."""
+        cap = self.limits.spend_cap_usd_micros
+        if cap <= 0:
+            return None
+        self._roll_window(now_ms)
+        if self.spent_usd_micros < cap:
+            return None
+        window = self.limits.spend_window_ms
+        period = f"in the current {window} ms window" if window > 0 else "in total"
+        return f"tenant {self.tenant_id} spent {self.spent_usd_micros} of {cap} µUSD {period} on this partition lane"
+
+    # -- token rate -----------------------------------------------------------------------------
+    def level_at(self, now_ms: int) -> float:
+        """The bucket's level at `now_ms` without changing the ledger (inf without a rate cap)."""
+        tpm = self.limits.tokens_per_minute
+        if tpm <= 0:
+            return float("inf")
+        if self.tokens is None:
+            return float(tpm)
+        return min(float(tpm), self.tokens + max(0, now_ms - self.tokens_at_ms) * tpm / MINUTE_MS)
+
+    def _refill(self, now_ms: int) -> float:
+        level = self.level_at(now_ms)
+        if self.limits.tokens_per_minute > 0 and (self.tokens != level or self.tokens_at_ms < now_ms):
+            self.tokens, self.tokens_at_ms = level, max(now_ms, self.tokens_at_ms)
+            self.touch()
+        return level
+
+    def rate_room(self, now_ms: int) -> float:
+        """Tokens the tenant may still start model calls with now (inf without a rate cap)."""
+        return self._refill(now_ms)
+
+    def over_rate(self, now_ms: int) -> bool:
+        return self._refill(now_ms) <= 0
+
+    def refill_at(self, now_ms: int) -> int:
+        """When the bucket is above zero again (an estimate recorded with a deferral)."""
+        level = self._refill(now_ms)
+        tpm = self.limits.tokens_per_minute
+        if tpm <= 0 or level > 0:
+            return now_ms
+        return now_ms + int(-level * MINUTE_MS / tpm) + 1
+
+    def reserve(self, now_ms: int) -> int:
+        """A grant takes the expected tokens of one model call from the bucket (at least 1);
+        the real usage replaces the reservation when it is recorded."""
+        if self.limits.tokens_per_minute <= 0:
+            return 0
+        self._refill(now_ms)
+        amount = max(1, round(self.step_tokens_estimate))
+        self.tokens = (self.tokens or 0.0) - amount
+        self.touch()
+        return amount
+
+    def defer(self, run_id: str) -> None:
+        if run_id not in self.deferred:
+            self.deferred.append(run_id)
+            self.touch()
+
+    def next_deferred(self, now_ms: int) -> str | None:
+        """Take the run deferred longest ago if the bucket has room again."""
+        if not self.deferred or self.over_rate(now_ms):
+            return None
+        self.touch()
+        return self.deferred.pop(0)
+
+    # -- usage ----------------------------------------------------------------------------------
+    def record_usage(self, tokens: int, cost_usd_micros: int, *, reserved_tokens: int, now_ms: int) -> None:
+        """A model call's usage was recorded for one of the tenant's runs on this lane."""
+        self._roll_window(now_ms)
+        self.spent_usd_micros += cost_usd_micros
+        if self.limits.tokens_per_minute > 0:
+            self._refill(now_ms)
+            self.tokens = (self.tokens or 0.0) + reserved_tokens - tokens
+        if tokens > 0:
+            self.step_tokens_estimate = (
+                float(tokens) if self.step_tokens_estimate <= 0
+                else (1 - ESTIMATE_WEIGHT) * self.step_tokens_estimate + ESTIMATE_WEIGHT * tokens
+            )
+        self.touch()

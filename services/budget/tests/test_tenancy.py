@@ -1,0 +1,243 @@
+"""Per-tenant ledger: concurrency slots and the tenant's queue, spend cap, token-rate deferral (in-memory driver)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tether_budget.domain.ledger import RunStatus
+from tether_budget.domain.tenancy import TenantLedger
+from tether_contracts.records import (
+    RunAccepted,
+    RunQueued,
+    RunRejected,
+    RunTerminated,
+    StepDeferred,
+    StepGranted,
+    TenantLimits,
+    ToolCallBudgeted,
+)
+from tether_messaging.errors import Unprocessable
+
+
+def types(records) -> list[str]:
+    return [type(r).__name__ for r in records]
+
+
+def cap(concurrent: int, queued: int = 0, **more: int) -> TenantLimits:
+    return TenantLimits(max_concurrent_runs=concurrent, max_queued_runs=queued, **more)
+
+
+# -- concurrency and the queue ---------------------------------------------------------------
+
+
+def test_runs_beyond_the_cap_wait_in_order_and_beyond_the_queue_are_refused(harness):
+    limits = cap(2, 3)
+    for i in range(1, 7):
+        harness.submit(f"r{i}", limits=limits)
+
+    for run in ("r1", "r2"):
+        assert types(harness.log_payloads(run)) == ["RunAccepted", "StepGranted"]
+    positions = [harness.log_payloads(r)[0] for r in ("r3", "r4", "r5")]
+    assert all(isinstance(p, RunQueued) for p in positions)
+    assert [p.position for p in positions] == [1, 2, 3]
+    assert {(p.running, p.max_concurrent_runs) for p in positions} == {(2, 2)}
+    assert positions[0].goal == "find a cheap flight" and positions[0].agent.agent_id == "a1"
+    [rejected] = harness.log_payloads("r6")
+    assert isinstance(rejected, RunRejected) and rejected.reason_code == "TENANT_QUEUE_FULL"
+    assert harness.ledger("r3").status is RunStatus.QUEUED
+    assert harness.tenant().running == ["r1", "r2"] and harness.tenant().queue == ["r3", "r4", "r5"]
+
+    # r2 ends: the first in line (r3) is accepted and granted, in the same transaction.
+    harness.model(1, 0, "r2")
+    harness.complete("r2")
+    assert types(harness.log_payloads("r3")) == ["RunQueued", "RunAccepted", "StepGranted"]
+    assert types(harness.log_payloads("r4")) == ["RunQueued"]
+    assert harness.tenant().running == ["r1", "r3"] and harness.tenant().queue == ["r4", "r5"]
+
+    # A queued run is cancelled: it leaves the queue, and the next slot goes to the one behind it.
+    out = harness.cancel("r4")
+    assert types(out) == ["RunTerminated"] and out[0].reason_code == "CANCELLED"
+    assert out[0].report.steps_done == 0 and any("queue" in p for p in out[0].report.pending)
+    assert harness.tenant().queue == ["r5"]
+    harness.step(1, 1, "r1")  # r1 is now granted step 2, still running: nothing admitted
+    assert types(harness.log_payloads("r5")) == ["RunQueued"]
+    harness.cancel("r1")
+    assert types(harness.log_payloads("r5")) == ["RunQueued", "RunAccepted", "StepGranted"]
+    assert types(harness.log_payloads("r4")) == ["RunQueued", "RunTerminated"]
+    assert harness.tenant().running == ["r3", "r5"] and harness.tenant().queue == []
+    assert harness.metric("tether_budget_runs_queued_total") == 3
+
+
+def test_the_accepted_run_of_a_queued_submit_is_the_run_an_immediate_one_would_be(harness):
+    harness.submit("r1", limits=cap(1, 1))
+    harness.submit("r2", limits=cap(1, 1))
+    harness.driver.now_ms += 5_000
+    harness.cancel("r1")
+    accepted = harness.log_payloads("r2")[1]
+    direct = harness.log_payloads("r1")[0]
+    assert isinstance(accepted, RunAccepted) and isinstance(direct, RunAccepted)
+    assert accepted.model_copy(update={"request_id": "x", "deadline_ms": 0}) == \
+        direct.model_copy(update={"request_id": "x", "deadline_ms": 0})
+    # The wall clock starts at acceptance, not at the submit.
+    assert harness.ledger("r2").accepted_at_ms == harness.driver.now_ms
+    assert accepted.deadline_ms == harness.driver.now_ms + harness.caps().max_wall_clock_ms
+
+
+def test_without_a_queue_the_cap_refuses_at_once(harness):
+    harness.submit("r1", limits=cap(1))
+    [rejected] = harness.submit("r2", limits=cap(1))
+    assert isinstance(rejected, RunRejected) and rejected.reason_code == "TENANT_CONCURRENCY_CAP"
+    assert harness.tenant().running == ["r1"]
+
+
+def test_tenants_and_runs_without_limits_do_not_share_slots(harness):
+    harness.submit("a1", tenant="ta", limits=cap(1, 5))
+    harness.submit("a2", tenant="ta", limits=cap(1, 5))
+    [accepted, granted] = harness.submit("b1", tenant="tb", limits=cap(1, 5))
+    assert isinstance(accepted, RunAccepted) and isinstance(granted, StepGranted)
+    assert types(harness.submit("u1", tenant="ta")) == ["RunAccepted", "StepGranted"]  # no limits: not counted
+    assert harness.tenant("ta").running == ["a1"] and harness.tenant("ta").queue == ["a2"]
+    assert harness.tenant("tb").running == ["b1"]
+
+
+def test_raising_the_cap_admits_waiting_runs_at_the_next_submit(harness):
+    harness.submit("r1", limits=cap(1, 5))
+    harness.submit("r2", limits=cap(1, 5))
+    harness.submit("r3", limits=cap(3, 5))
+    assert types(harness.log_payloads("r2")) == ["RunQueued", "RunAccepted", "StepGranted"]
+    assert types(harness.log_payloads("r3")) == ["RunQueued", "RunAccepted", "StepGranted"]
+    assert harness.tenant().running == ["r1", "r2", "r3"]
+
+
+def test_a_queued_run_gets_no_intake_and_no_timer(harness):
+    harness.submit("r1", limits=cap(1, 1))
+    harness.submit("r2", limits=cap(1, 1))
+    with pytest.raises(Unprocessable) as err:
+        harness.model(1, 0, "r2")
+    assert err.value.reason == "RUN_QUEUED"
+    harness.driver.now_ms += 10 * 24 * 3_600_000  # far past any deadline and retention
+    out = harness.tick()
+    # r1's wall clock ran out: it is terminated and r2, which waited, is accepted now.
+    assert [type(p).__name__ for p in out] == ["RunTerminated", "RunAccepted", "StepGranted"]
+    assert harness.ledger("r2").active
+
+
+def test_a_duplicate_submit_of_a_queued_run_is_dropped(harness):
+    harness.submit("r1", limits=cap(1, 1))
+    harness.submit("r2", limits=cap(1, 1))
+    assert harness.submit("r2", limits=cap(1, 1)) == []
+    assert harness.tenant().queue == ["r2"]
+
+
+# -- spend cap -------------------------------------------------------------------------------
+
+
+def test_over_its_spend_cap_a_tenant_gets_no_grant_no_budget_and_no_new_run(harness):
+    limits = cap(5, 5, spend_cap_usd_micros=1_500)
+    harness.submit("r1", limits=limits)
+    harness.submit("r2", limits=limits)
+    harness.model(1, 1, "r1", cost=1_000)
+    assert isinstance(harness.request(1, 0, "r1")[-1], ToolCallBudgeted)
+    assert isinstance(harness.done("1.0", "r1")[-1], StepGranted)  # 1,000 of 1,500 spent
+    harness.model(1, 1, "r2", cost=600)  # the lane's total is now over the cap
+    out = harness.request(1, 0, "r2")
+    assert isinstance(out[-1], RunTerminated) and out[-1].reason_code == "TENANT_SPEND_CAP"
+    assert "1600 of 1500" in out[-1].report.detail
+    harness.model(2, 0, "r1")
+    [rejected] = harness.submit("r3", limits=limits)
+    assert isinstance(rejected, RunRejected) and rejected.reason_code == "TENANT_SPEND_CAP"
+    assert harness.tenant().spent_usd_micros == 1_600 + 1_000
+
+
+def test_the_spend_window_rolls_over(harness):
+    limits = cap(5, 5, spend_cap_usd_micros=1_000, spend_window_ms=60_000)
+    harness.driver.now_ms = 1_700_000_000_000 - 1_700_000_000_000 % 60_000 + 1_000
+    harness.submit("r1", limits=limits)
+    harness.model(1, 1, "r1", cost=1_000)  # reaching the cap is being at it: nothing more starts
+    out = harness.request(1, 0, "r1")
+    assert isinstance(out[-1], RunTerminated) and out[-1].reason_code == "TENANT_SPEND_CAP"
+    assert isinstance(harness.submit("r2", limits=limits)[0], RunRejected)
+    harness.driver.now_ms += 60_000
+    assert types(harness.submit("r3", limits=limits)) == ["RunAccepted", "StepGranted"]
+    assert harness.tenant().spent_usd_micros == 0
+
+
+def test_a_queued_run_admitted_after_the_tenant_ran_out_of_money_is_rejected_and_the_next_one_tried(harness):
+    limits = cap(1, 5, spend_cap_usd_micros=500)
+    harness.submit("r1", limits=limits)
+    harness.submit("r2", limits=limits)
+    harness.submit("r3", limits=limits)
+    harness.model(1, 0, "r1", cost=900)
+    harness.complete("r1")
+    assert types(harness.log_payloads("r2")) == ["RunQueued", "RunRejected"]
+    assert types(harness.log_payloads("r3")) == ["RunQueued", "RunRejected"]
+    assert harness.tenant().running == [] and harness.tenant().queue == []
+
+
+# -- token rate ------------------------------------------------------------------------------
+
+
+def test_over_the_token_rate_a_grant_is_deferred_and_made_on_a_tick_in_order(harness):
+    limits = cap(5, 5, tokens_per_minute=1_000)
+    t0 = harness.driver.now_ms
+    harness.submit("r1", limits=limits)
+    harness.submit("r2", limits=limits)
+    harness.model(1, 1, "r1", tokens=1_500)  # bucket: 1,000 - 1,500 (+ the small reservations back)
+    harness.request(1, 0, "r1")
+    out = harness.done("1.0", "r1")
+    assert types(out) == ["ToolCallCompleted", "StepDeferred"]
+    deferred = out[-1]
+    assert isinstance(deferred, StepDeferred) and deferred.step == 2 and deferred.reason_code == "TENANT_TOKEN_RATE"
+    assert deferred.tokens_available < 0 and deferred.not_before_ms > t0
+    assert harness.ledger("r1").deferred_step == 2 and harness.ledger("r1").step == 1
+
+    harness.model(1, 1, "r2", tokens=10)
+    harness.request(1, 0, "r2")
+    assert types(harness.done("1.0", "r2")) == ["ToolCallCompleted", "StepDeferred"]
+    assert harness.tenant().deferred == ["r1", "r2"]
+
+    harness.driver.now_ms = deferred.not_before_ms - 1_000
+    assert harness.tick() == []  # not yet: the grant waits, it is not denied
+    harness.driver.now_ms = deferred.not_before_ms + 1_000
+    out = harness.driver.tick()
+    # r1 waited longest and goes first; its grant reserves about one model call's tokens
+    # (the tenant's average so far), which empties the bucket again: r2 waits for a later tick.
+    assert [(type(e.payload).__name__, e.envelope.run_id) for e in out] == [("StepGranted", "r1")]
+    assert types(harness.log_payloads("r1"))[-2:] == ["StepDeferred", "StepGranted"]
+    assert harness.tenant().deferred == ["r2"]
+    assert harness.ledger("r1").rate_reserved > 0
+    harness.driver.now_ms += 120_000
+    harness.tick()
+    assert types(harness.log_payloads("r2"))[-2:] == ["StepDeferred", "StepGranted"]
+    assert harness.tenant().deferred == []
+    assert harness.metric("tether_budget_steps_deferred_total") == 2
+
+
+def test_a_deferred_run_that_is_cancelled_leaves_the_line(harness):
+    limits = cap(5, 5, tokens_per_minute=100)
+    harness.submit("r1", limits=limits)
+    harness.model(1, 1, "r1", tokens=5_000)
+    harness.request(1, 0, "r1")
+    harness.done("1.0", "r1")
+    assert harness.tenant().deferred == ["r1"]
+    out = harness.cancel("r1")
+    assert out[0].reason_code == "CANCELLED" and any("token rate" in p for p in out[0].report.pending)
+    assert harness.tenant().deferred == [] and harness.tenant().running == []
+
+
+def test_a_grant_reservation_the_model_call_never_used_is_given_back(harness):
+    limits = cap(5, 5, tokens_per_minute=1_000)
+    harness.submit("r1", limits=limits)
+    level = harness.tenant().tokens
+    assert harness.ledger("r1").rate_reserved == 1 and level == 999
+    harness.cancel("r1")
+    assert harness.tenant().tokens == 1_000
+
+
+def test_tenant_ledger_clone_leaves_the_committed_one_untouched():
+    committed = TenantLedger(tenant_id="t", limits=cap(1, 3), running=["a"], queue=["b", "c"])
+    work = committed.clone()
+    assert work.next_queued() is None  # no slot
+    work.release("a")
+    assert work.next_queued() == "b" and work.touched
+    assert committed.running == ["a"] and committed.queue == ["b", "c"] and not committed.touched
