@@ -9,6 +9,7 @@ import re
 import smtplib
 import socket
 import ssl
+import threading
 from collections.abc import Callable
 from email.message import EmailMessage
 from typing import Any
@@ -44,8 +45,17 @@ def _require(config: dict[str, Any], name: str) -> Any:
     return config[name]
 
 
-@functools.cache
+_TLS_LOCK = threading.Lock()
+
+
 def _tls() -> ssl.SSLContext:
+    # Under a lock: the first calls arrive together from every execution thread.
+    with _TLS_LOCK:
+        return _tls_context()
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
     """One TLS context for every call of this process (the same settings httpx builds by default).
 
     httpx builds a fresh context (loading the CA bundle) for every client, i.e. for every call made
