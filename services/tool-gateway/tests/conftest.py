@@ -23,6 +23,8 @@ from tether_contracts.records import (
     ToolSpec,
 )
 from tether_messaging.blobstore import InMemoryBlobStore
+from tether_messaging.envelopes import make_envelope
+from tether_messaging.serde import decode
 from tether_messaging.testing import InMemoryDriver
 from tether_messaging.topics import Topics
 from tether_tool_gateway.builtin_tools import builtin_tool_specs
@@ -104,17 +106,29 @@ class Harness:
         self.processor = GatewayProcessor(Deps(topics=TOPICS, policy=self.policy, runner=self.runner,
                                                recheck_ms=1_000, stall_ms=60_000), sweep_interval_ms=5_000)
         self.driver = InMemoryDriver(self.processor, producer_name="budget")
+        self.fed: list = []  # every envelope fed as the run event log, in order
 
     def feed(self, payload, run_id: str = "run-1", tenant_id: str = "t1"):
-        return self.driver.feed_payload(TOPICS.run_events, payload, run_id=run_id, tenant_id=tenant_id,
-                                        producer="budget")
+        env = make_envelope(payload, run_id=run_id, tenant_id=tenant_id, event_id=f"budget:{run_id}:{len(self.fed)}",
+                            producer="budget", recorded_at_ms=self.driver.now_ms)
+        return self._append(env)
 
     def log(self, emitted):
         """Feed the gateway's own outputs back as the sequenced log would (budget appends them)."""
         out = []
         for e in emitted:
-            out.extend(self.driver.feed(TOPICS.run_events, e.envelope))
+            out.extend(self._append(e.envelope))
         return out
+
+    def _append(self, env):
+        seq = sum(1 for e in self.fed if e.run_id == env.run_id) + 1
+        env = env.model_copy(update={"seq": seq})
+        self.fed.append(env)
+        return self.driver.feed(TOPICS.run_events, env)
+
+    def run_log(self, run_id: str = "run-1"):
+        """The run's log as fed so far: (envelope, payload) in sequence order."""
+        return [(e, decode(e.payload)) for e in self.fed if e.run_id == run_id]
 
     def accept(self, run_id: str = "run-1", grants: list[str] | None = None, allowlist: list[str] | None = None,
                *, goal: str = "g", scope: list[str] | None = None, agent_id: str = "a1", tenant_id: str = "t1"):

@@ -340,7 +340,7 @@ def on_call_outcome(event: ToolCallCompleted | ToolCallFailed | ToolCallDenied |
     run = _state(ctx, run_id)
     if run is None:
         return
-    changed = _read_outcome(run, event)
+    changed = read_outcome(run, event)
     call = run.calls.get(event.call_id)
     if call is not None and call.status is not CallStatus.RESOLVED:
         call.status = CallStatus.RESOLVED
@@ -350,7 +350,7 @@ def on_call_outcome(event: ToolCallCompleted | ToolCallFailed | ToolCallDenied |
         ctx.put_state(run_id, run)
 
 
-def _read_outcome(run: RunState, event: AvroRecord) -> bool:
+def read_outcome(run: RunState, event: AvroRecord) -> bool:
     """Fold an outcome's content into the run; True if the run changed."""
     tool = run.tools.get(getattr(event, "tool_name", ""))
     untrusted_tool = tool is not None and tool.untrusted_source
