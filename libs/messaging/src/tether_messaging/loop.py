@@ -7,8 +7,9 @@ How a batch runs (docs/architecture.md, "The exactly-once loop"):
 2. begin a transaction; deliver finished work (`Processor.on_work_done`), then each record
    (decode → `Processor.handle`; undecodable records and `Unprocessable` go to the
    dead-letter topic), then `on_tick` when due;
-3. produce the changed per-run states to the service's changelog, send the input offsets,
-   commit. Work a handler started is submitted to the worker pool only after the commit,
+3. call `Processor.before_commit()` if the processor has one (an at-least-once processor
+   flushes the batch's external effects there), produce the changed per-run states to the
+   service's changelog, send the input offsets, commit. Work a handler started is submitted to the worker pool only after the commit,
    so no side effect ever follows an aborted decision.
 
 Replay contract for handlers. The committed offset of a partition never passes its oldest
@@ -21,6 +22,10 @@ key). Work started from `on_work_done` inherits the hold of the finished work's 
 the re-delivered input may belong to an earlier link of the chain: the handler restarts
 whatever unfinished work the run's state records. Work started from `on_tick` holds no
 input: after a failover, the next tick re-derives it from the state.
+
+Work runs on `work_threads` worker threads that take it from a fair queue
+(`tether_messaging.fairqueue`): weighted deficit round-robin over the work's tenants, so a
+tenant with many runs in flight does not delay a tenant with few.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,6 +47,7 @@ from tether_contracts.base import AvroRecord
 from tether_contracts.records import Envelope
 from tether_messaging.envelopes import headers_for, make_envelope
 from tether_messaging.errors import Unprocessable
+from tether_messaging.fairqueue import FairWorkQueue
 from tether_messaging.processor import Inbound, Processor, WorkDone
 from tether_messaging.serde import SerdeError, decode_envelope, encode, open_payload
 from tether_messaging.topics import Topics
@@ -76,6 +81,7 @@ COMMIT_SECONDS = Histogram(
 )
 DEAD_LETTERS = Counter("tether_loop_dead_letters_total", "Records sent to the dead-letter topic.", ["service", "reason"])
 WORK_IN_FLIGHT = Gauge("tether_loop_work_in_flight", "Work started and not yet delivered back.", ["service"])
+WORK_WAITING = Gauge("tether_loop_work_waiting", "Work committed and waiting for a worker thread.", ["service"])
 WORK_DONE = Counter("tether_loop_work_done_total", "Work delivered back to the processor.", ["service", "outcome"])
 LAG = Gauge("tether_loop_lag_records", "High watermark minus the loop's position.", ["service", "topic", "partition"])
 RESTORE_SECONDS = Histogram("tether_loop_restore_seconds", "Time to restore states on assignment.", ["service"])
@@ -111,6 +117,9 @@ class LoopConfig:
     batch_max_ms: int = 100
     batch_max_messages: int = 500
     work_threads: int = 8
+    #: Share of the worker pool per tenant while several tenants' work waits (deficit
+    #: round-robin, in items per round); tenants not listed have weight 1.
+    tenant_weights: Mapping[str, int] = field(default_factory=dict)
     tick_interval_ms: int = 1000
     session_timeout_ms: int = 10_000
     #: A producer that dies mid-transaction blocks read_committed readers of its partitions
@@ -135,6 +144,7 @@ class LoopConfig:
             batch_max_ms=settings.batch_max_ms,
             batch_max_messages=settings.batch_max_messages,
             work_threads=settings.work_threads,
+            tenant_weights=dict(getattr(settings, "tenant_weights", {}) or {}),
             session_timeout_ms=settings.session_timeout_ms,
         )
         values.update(overrides)
@@ -334,7 +344,7 @@ class ProcessorLoop:
         self._consumer: Consumer | None = None
         self._producer: Producer | None = None
         self._restorer: Consumer | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: FairWorkQueue[_Work] | None = None
         self._delivery_errors: list[KafkaError] = []
 
     # -- public ----------------------------------------------------------------------------
@@ -350,7 +360,9 @@ class ProcessorLoop:
     def run(self, stop: threading.Event) -> None:
         """Process until `stop` is set. Raises `FatalLoopError` if the process must restart."""
         cfg = self.config
-        self._pool = ThreadPoolExecutor(cfg.work_threads, thread_name_prefix=f"{self._name}-work")
+        self._pool = FairWorkQueue(cfg.tenant_weights)
+        for i in range(cfg.work_threads):
+            threading.Thread(target=self._work_thread, name=f"{self._name}-work-{i}", daemon=True).start()
         self._producer = Producer(self._producer_config())
         try:
             if self._txn:
@@ -640,6 +652,7 @@ class ProcessorLoop:
                 self._handle_record(batch, m)
             if tick_due:
                 self._tick(batch)
+            self._before_commit()
             self._checkpoint(batch)
             self._commit(batch)
         except _AbortBatch as exc:
@@ -647,15 +660,28 @@ class ProcessorLoop:
             return
         if tick_due:
             self._next_tick = time.monotonic() + self.config.tick_interval_ms / 1000
-        # Committed: only now may the decided work start.
+        # Committed: only now may the decided work start (in fair order across tenants).
         for w in batch.starts:
-            self._pool.submit(self._run_work, w)
+            self._pool.put("fifo", w)
         WORK_IN_FLIGHT.labels(self._name).set(len(self._work))
+        WORK_WAITING.labels(self._name).set(len(self._pool))
         BATCHES.labels(self._name, "committed").inc()
+
+    def _before_commit(self) -> None:
+        # Optional hook for at-least-once processors with external effects (the projector's
+        # database): flush the batch's effects before its input offsets commit. An exception
+        # stops the loop with nothing committed, so the batch is replayed after the restart.
+        hook = getattr(self.processor, "before_commit", None)
+        if hook is not None:
+            hook()
 
     def _is_current(self, f: _Finished) -> bool:
         w = self._work.get(f.key)
         return w is not None and w.epoch == f.epoch and self._epoch.get(w.partition, 0) == f.epoch
+
+    def _work_thread(self) -> None:
+        while (w := self._pool.get()) is not None:
+            self._run_work(w)
 
     def _run_work(self, w: _Work) -> None:
         try:
@@ -948,7 +974,8 @@ class ProcessorLoop:
             steps.append(("producer_flush", lambda: self._producer.flush(10)))
         if self._pool is not None:
             # Unfinished work is not waited for: its inputs are held, so the next owner replays them.
-            steps.append(("pool_shutdown", lambda: self._pool.shutdown(wait=False, cancel_futures=True)))
+            # Closing the fair queue drops what waits and lets the worker threads end.
+            steps.append(("pool_shutdown", self._pool.close))
         for what, step in steps:
             try:
                 step()
