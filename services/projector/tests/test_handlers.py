@@ -129,17 +129,33 @@ def inbound(ev: LogEvent, offset: int = 0) -> Inbound:
     return Inbound("events", 0, offset, ev.envelope, ev.payload)
 
 
-def test_processor_projects_each_record_and_dead_letters_unsealed(deps: Deps) -> None:
+def test_processor_projects_the_loop_batch_before_the_loop_commits(deps: Deps, registry: CollectorRegistry) -> None:
     processor = ProjectorProcessor(deps, "events")
     assert processor.inputs == ("events",) and processor.name == "projector" and processor.state_codec is None
-    for i, ev in enumerate(happy_run("r1").log_events()):
+    events = happy_run("r1").log_events()
+    for i, ev in enumerate(events[:5]):
         processor.handle(inbound(ev, i), ctx=None)  # type: ignore[arg-type]
+    assert deps.read_model.rows("runs") == []  # nothing is written until the batch ends
+    processor.before_commit()
+    assert deps.read_model.rows("runs")[0]["last_seq"] == 5
+    assert deps.read_model.commits == 1  # type: ignore[attr-defined]  # one transaction for the batch
+    processor.before_commit()  # an empty batch writes nothing
+    assert deps.read_model.commits == 1  # type: ignore[attr-defined]
+    for i, ev in enumerate(events[5:]):
+        processor.handle(inbound(ev, i + 5), ctx=None)  # type: ignore[arg-type]
+    processor.before_commit()
     assert deps.read_model.rows("runs")[0]["status"] == "COMPLETED"
+
+
+def test_processor_refuses_unsealed_records(deps: Deps) -> None:
+    processor = ProjectorProcessor(deps, "events")
     stray = make_envelope(CancelRun(principal_id="x"), run_id="r1", tenant_id="tenant-a", event_id="s",
                           producer="run-api", recorded_at_ms=1)
     with pytest.raises(Unprocessable) as err:
         processor.handle(inbound(LogEvent(stray, CancelRun(principal_id="x"))), ctx=None)  # type: ignore[arg-type]
     assert err.value.reason == "UNSEALED_EVENT"
+    processor.before_commit()
+    assert deps.read_model.rows("events") == []
 
 
 def test_processor_retries_while_the_read_model_is_unavailable(deps: Deps, registry: CollectorRegistry) -> None:
@@ -148,10 +164,12 @@ def test_processor_retries_while_the_read_model_is_unavailable(deps: Deps, regis
     events = happy_run("r1").log_events()
     read_model.fail_next = 2
     processor.handle(inbound(events[0]), ctx=None)  # type: ignore[arg-type]
+    processor.before_commit()
     assert read_model.rows("runs")[0]["last_seq"] == 1
     assert counter(registry, "tether_projector_read_model_retries_total") == 2
 
     read_model.fail_next = 3
-    with pytest.raises(ReadModelUnavailable):  # the loop then stops the process; nothing is committed
-        processor.handle(inbound(events[1]), ctx=None)  # type: ignore[arg-type]
+    processor.handle(inbound(events[1]), ctx=None)  # type: ignore[arg-type]
+    with pytest.raises(ReadModelUnavailable):  # the loop then stops before committing the offsets
+        processor.before_commit()
     assert read_model.rows("runs")[0]["last_seq"] == 1

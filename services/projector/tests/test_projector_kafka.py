@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -20,17 +21,24 @@ import redis
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka import ConsumerGroupTopicPartitions
 from confluent_kafka.admin import AdminClient
+from prometheus_client import CollectorRegistry
 
 from tether_contracts.records import Envelope, RunCompleted, Usage
 from tether_messaging.admin import declare_topics
 from tether_messaging.chain import seal
 from tether_messaging.envelopes import headers_for, make_envelope
+from tether_messaging.loop import LoopConfig, ProcessorLoop
 from tether_messaging.partitioner import partition_for
 from tether_messaging.serde import encode
 from tether_messaging.topics import Topics
+from tether_projector.adapters.memory import InMemoryLiveState, InMemoryReadModel
 from tether_projector.adapters.postgres import PostgresReadModel
 from tether_projector.adapters.redis_live import run_key, stream_key, tenant_index_key
 from tether_projector.domain.rows import TABLE_KEYS
+from tether_projector.entrypoint import ProjectorProcessor
+from tether_projector.handlers import Deps
+from tether_projector.metrics import ProjectorMetrics
+from tether_projector.ports import ReadModelUnavailable
 from tether_projector.testing import RunLog, cancelled_while_waiting, happy_run, random_run, rejected_run, troubled_run
 from tether_testing.processes import free_port
 
@@ -109,6 +117,8 @@ def group_caught_up(bootstrap: str, group: str, topic: str) -> bool:
         committed = c.committed([TopicPartition(topic, p) for p in range(PARTITIONS)], timeout=10)
         for tp in committed:
             _low, high = c.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=10)
+            if high == 0:
+                continue  # an empty partition: nothing to commit
             # The log ends with a transaction marker; the committed offset may sit on or after it.
             if tp.offset < high - 1:
                 return False
@@ -238,3 +248,50 @@ def test_projector_builds_the_read_model_idempotently_and_a_rebuild_is_identical
     assert report["applied"] == sum(expected.values()) and report["duplicates"] == 0
     assert report["chain_problems"] == 0 and report["undecodable"] == 0
     assert dump(pg_dsn, rebuilt) == first
+
+
+@pytest.mark.integration
+def test_offsets_are_committed_only_after_the_read_model_committed(
+    kafka_bootstrap: str, isolation: tuple[str, str]
+) -> None:
+    prefix, _ = isolation
+    topics = Topics(prefix)
+    log = happy_run(f"run-{uuid.uuid4().hex[:6]}")
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "transactional.id": f"test-{uuid.uuid4().hex}"})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    for env in log.events:
+        producer.produce(topics.run_events, encode(env), env.run_id.encode(),
+                         partition=partition_for(env.tenant_id, env.run_id, PARTITIONS), headers=headers_for(env))
+    producer.commit_transaction(30)
+
+    read_model = InMemoryReadModel()
+    read_model.fail_next = 1_000_000  # PostgreSQL "down" for the whole first run
+    deps = Deps(read_model, InMemoryLiveState(), ProjectorMetrics(CollectorRegistry()))
+    processor = ProjectorProcessor(deps, topics.run_events, read_model_attempts=2)
+    config = LoopConfig(bootstrap=kafka_bootstrap, topics=topics, transactional=False, handler_errors="fail",
+                        session_timeout_ms=6000)
+    with pytest.raises(ReadModelUnavailable):
+        ProcessorLoop(processor, config).run(threading.Event())
+    group = topics.group_id("projector")
+    c = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group})
+    try:
+        assert all(tp.offset < 0 for tp in c.committed(
+            [TopicPartition(topics.run_events, p) for p in range(PARTITIONS)], timeout=10))
+    finally:
+        c.close()
+    assert read_model.rows("events") == []
+
+    read_model.fail_next = 0  # back up: the restarted loop re-reads the batch and commits after it
+    stop = threading.Event()
+    loop = ProcessorLoop(processor, config)
+    thread = threading.Thread(target=loop.run, args=(stop,))
+    thread.start()
+    try:
+        wait_for("the run projected", lambda: bool(read_model.rows("runs"))
+                 and read_model.rows("runs")[0]["last_seq"] == len(log.events))
+        wait_for("offsets committed", lambda: group_caught_up(kafka_bootstrap, group, topics.run_events))
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert len(read_model.rows("events")) == len(log.events)

@@ -1,8 +1,9 @@
 """The projector as a `Processor` on the shared loop in at-least-once mode (docs/projector.md).
 
-The loop commits the input offsets only after `handle` returned, and `handle` returns only
-after the event's read-model transaction committed: at-least-once, made harmless by the
-(run_id, seq) idempotence of every write.
+`handle` collects the loop batch's events; `before_commit`, which the loop calls before it
+commits the batch's input offsets, projects them in ONE read-model transaction and then
+publishes them to Redis. So offsets never pass an event whose rows are not committed
+(at-least-once), and a redelivery is harmless: every write is keyed by (run_id, seq).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 
 from tether_messaging.errors import Unprocessable
 from tether_messaging.processor import Context, Inbound, TickContext, WorkDone
+from tether_projector.domain.errors import UnsealedEvent
 from tether_projector.handlers import BatchResult, Deps, project_batch
 from tether_projector.ports import LogEvent, ReadModelUnavailable
 
@@ -28,6 +30,7 @@ class ProjectorProcessor:
         self.deps = deps
         self.inputs = (events_topic,)
         self._attempts = read_model_attempts
+        self._pending: list[LogEvent] = []
 
     def project(self, events: list[LogEvent]) -> BatchResult:
         """`project_batch`, retried while PostgreSQL is unavailable (the transaction is idempotent)."""
@@ -45,10 +48,19 @@ class ProjectorProcessor:
         return retrying(project_batch, events, deps=self.deps)
 
     def handle(self, msg: Inbound, ctx: Context) -> None:
-        result = self.project([LogEvent(msg.envelope, msg.payload)])
-        if result.rejected:
-            _event, error = result.rejected[0]
-            raise Unprocessable(error.reason, error.detail)
+        env = msg.envelope
+        if env.seq is None or env.prev_hash is None or env.hash is None:
+            # Dead-lettered by the loop: only the budget writes the log, and always sealed.
+            err = UnsealedEvent(env.event_id, env.run_id)
+            raise Unprocessable(err.reason, err.detail)
+        self._pending.append(LogEvent(env, msg.payload))
+
+    def before_commit(self) -> None:
+        """Project the batch's events; raising stops the loop before it commits their offsets."""
+        if not self._pending:
+            return
+        events, self._pending = self._pending, []
+        self.project(events)
 
     def on_work_done(self, done: WorkDone, ctx: Context) -> None:
         # The projector never starts slow work; a delivery here is a loop bug worth seeing.

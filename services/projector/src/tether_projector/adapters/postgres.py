@@ -185,25 +185,22 @@ def _param(value: Any) -> Any:
 
 
 class _PgTx:
-    def __init__(self, conn: psycopg.Connection[dict[str, Any]], schema: str, lock_runs: bool) -> None:
+    def __init__(self, model: PostgresReadModel, conn: psycopg.Connection[dict[str, Any]]) -> None:
+        self._model = model
         self._conn = conn
-        self._s = sql.Identifier(schema)
-        self._lock_runs = lock_runs
 
     def load_runs(self, run_ids: Sequence[str]) -> dict[str, RunFold]:
         if not run_ids:
             return {}
         ids = sorted(set(run_ids))
-        if self._lock_runs:
-            # Serialises projection of a run across instances (a partition briefly owned by two
-            # during a rebalance), including runs that have no row yet. Sorted: no deadlocks.
-            self._conn.execute(
-                "SELECT pg_advisory_xact_lock(%s, hashtext(r)) FROM unnest(%s::text[]) AS r",
-                (LOCK_CLASS, ids),
-            )
-        rows = self._conn.execute(
-            sql.SQL("SELECT run_id, state FROM {s}.runs WHERE run_id = ANY(%s)").format(s=self._s), (ids,)
-        ).fetchall()
+        with self._conn.cursor() as cur:
+            if self._model.lock_runs:
+                # Serialises projection of a run across instances (a partition briefly owned by
+                # two during a rebalance), including runs that have no row yet. Sorted: no deadlocks.
+                cur.execute("SELECT pg_advisory_xact_lock(%s, hashtext(r)) FROM unnest(%s::text[]) AS r",
+                            (LOCK_CLASS, ids))
+            cur.execute(self._model.statement(("load",)), (ids,))
+            rows = cur.fetchall()
         return {r["run_id"]: RunFold.model_validate(r["state"]) for r in rows}
 
     def write(self, writes: Sequence[Upsert]) -> None:
@@ -213,7 +210,7 @@ class _PgTx:
             groups.setdefault((w.table, tuple(sorted(row)), w.only_insert), []).append(row)
         with self._conn.cursor() as cur:
             for (table, columns, only_insert), rows in groups.items():
-                statement = _upsert_sql(self._s, table, columns, only_insert)
+                statement = self._model.statement(("upsert", table, columns, only_insert))
                 cur.executemany(statement, [tuple(_param(r[c]) for c in columns) for r in rows])
 
 
@@ -246,8 +243,22 @@ class PostgresReadModel:
     def __init__(self, dsn: str, schema: str = "read_model", *, lock_runs: bool = True) -> None:
         self.dsn = dsn
         self.schema = schema
-        self._lock_runs = lock_runs
+        self.lock_runs = lock_runs
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
+        self._statements: dict[tuple[Any, ...], bytes] = {}
+
+    def statement(self, key: tuple[Any, ...]) -> bytes:
+        """The SQL text of a load or upsert statement, composed once per shape (composing is not free)."""
+        text = self._statements.get(key)
+        if text is None:
+            s = sql.Identifier(self.schema)
+            if key[0] == "load":
+                composed = sql.SQL("SELECT run_id, state FROM {s}.runs WHERE run_id = ANY(%s)").format(s=s)
+            else:
+                _, table, columns, only_insert = key
+                composed = _upsert_sql(s, table, columns, only_insert)
+            text = self._statements[key] = composed.as_bytes(None)
+        return text
 
     def _connection(self) -> psycopg.Connection[dict[str, Any]]:
         if self._conn is None or self._conn.closed:
@@ -261,11 +272,17 @@ class PostgresReadModel:
             self._conn = None
 
     @contextmanager
-    def _tx(self) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+    def _tx(self, pipeline: bool = False) -> Iterator[psycopg.Connection[dict[str, Any]]]:
         try:
             conn = self._connection()
-            with conn.transaction():
-                yield conn
+            if pipeline:
+                # Pipeline mode: BEGIN, the lock and the load go in one round trip, the writes
+                # and COMMIT in another, instead of one round trip per statement.
+                with conn.pipeline(), conn.transaction():
+                    yield conn
+            else:
+                with conn.transaction():
+                    yield conn
         except psycopg.OperationalError as exc:
             self.close()
             raise ReadModelUnavailable(f"{type(exc).__name__}: {exc}") from exc
@@ -278,8 +295,8 @@ class PostgresReadModel:
 
     @contextmanager
     def transaction(self) -> Iterator[_PgTx]:
-        with self._tx() as conn:
-            yield _PgTx(conn, self.schema, self._lock_runs)
+        with self._tx(pipeline=True) as conn:
+            yield _PgTx(self, conn)
 
     def rows(self, table: str) -> list[dict[str, Any]]:
         keys = TABLE_KEYS[table]
@@ -305,3 +322,4 @@ class PostgresReadModel:
                 sql.SQL("ALTER SCHEMA {s} RENAME TO {t}").format(s=sql.Identifier(self.schema), t=sql.Identifier(target))
             )
         self.schema = target
+        self._statements.clear()
