@@ -279,17 +279,40 @@ def test_a_grant_redelivered_after_a_crash_restarts_the_unfinished_model_call_on
     assert h.driver.pending == {}
 
 
-def test_outcome_of_a_run_terminated_while_the_model_was_thinking_is_dropped(harness) -> None:
-    h, run = harness, "run-cancel"
-    h.accept(run, "[t:final] cancel me")
-    h.grant(run, 1)
+def _cancelled() -> RunTerminated:
     report = TerminationReport(
         reason_code="CANCELLED", detail="user", steps_done=0, tool_calls_done=[], pending=[], usage=Usage()
     )
-    h.log(run, RunTerminated(reason_code="CANCELLED", report=report))
+    return RunTerminated(reason_code="CANCELLED", report=report)
+
+
+def test_a_run_terminated_while_the_model_was_thinking_records_only_the_calls_usage(harness) -> None:
+    h, run = harness, "run-cancel"
+    h.accept(run, "[t:happy] cancel me")
+    h.grant(run, 1)
+    h.log(run, _cancelled())
+    # The call cost money: its ModelCallCompleted is still emitted (the budget appends the granted
+    # step's model call after the end); the tool calls it proposed and any answer are not.
+    out = h.work()
+    assert _types(out) == ["ModelCallCompleted"]
+    assert out[0].step == 1 and out[0].tool_call_count == 3 and out[0].usage.input_tokens == 1000
     assert run not in h.driver.states
-    assert h.work() == []
-    assert h.metric("tether_planner_skipped_total", reason="stale_work") == 1
+    # Its echo, and a stale re-delivery of the grant, change nothing and start nothing.
+    h.echo(run, out)
+    assert run not in h.driver.states and h.driver.pending == {}
+
+
+def test_a_grant_redelivered_after_a_crash_of_a_run_that_ended_meanwhile_calls_no_model(harness) -> None:
+    h, run = harness, "run-cancel-crash"
+    h.accept(run, "[t:final] cancel me")
+    grant = h.grant(run, 1)
+    h.log(run, _cancelled())
+    # The process dies before the work finishes: the work is lost, the grant is held and re-delivered.
+    h.driver.pending.clear()
+    assert h.feed(grant) == []
+    assert h.driver.pending == {} and run not in h.driver.states
+    assert h.requests(run) == []  # the lost call was never made, and no new one is
+    assert h.metric("tether_planner_skipped_total", reason="run_ended") == 1
 
 
 # -- the working context --------------------------------------------------------------------------

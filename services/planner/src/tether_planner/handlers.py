@@ -119,6 +119,12 @@ def on_step_granted(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
         deps.metrics.skipped.labels("unknown_run").inc()
         log.warning("step_granted_for_unknown_run", run_id=run_id, step=granted.step)
         return
+    if state.ended:
+        # A grant re-delivered after a crash, of a run that ended while this step's model call was in
+        # flight: nothing runs for an ended run (the lost call is not made again); the state goes.
+        deps.metrics.skipped.labels("run_ended").inc()
+        ctx.put_state(run_id, None)
+        return
     if granted.step <= state.done_step or state.finished:
         # A replayed grant of a finished step: its outcome is already emitted and checkpointed.
         deps.metrics.skipped.labels("step_done").inc()
@@ -205,9 +211,17 @@ def on_model_call_failed(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
 
 
 def on_run_ended(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
-    """RunCompleted / RunTerminated: nothing runs for the run any more; its state goes."""
-    if ctx.get_state(msg.envelope.run_id) is not None:
-        ctx.put_state(msg.envelope.run_id, None)
+    """RunCompleted / RunTerminated: nothing runs for the run any more; its state goes. A model call
+    still in flight keeps it until the call's outcome is recorded: the call cost money, and the
+    budget still appends the granted step's model call after the end (docs/architecture.md)."""
+    run_id = msg.envelope.run_id
+    state: st.RunState | None = ctx.get_state(run_id)
+    if state is None or state.ended:
+        return
+    if state.pending is not None:
+        ctx.put_state(run_id, state.model_copy(update={"ended": True}))
+    else:
+        ctx.put_state(run_id, None)
 
 
 # -- the finished model work ------------------------------------------------------------------
@@ -219,7 +233,7 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
     step = _step_of(done.key)
     state: st.RunState | None = ctx.get_state(run_id)
     if state is None or state.pending is None or state.pending.step != step or step <= state.done_step:
-        # The run ended (cancel, cap) while the model was thinking, or this is a stale delivery.
+        # A stale delivery (the step's outcome is already recorded, or the run's state is gone).
         deps.metrics.skipped.labels("stale_work").inc()
         log.info("model_outcome_dropped", run_id=run_id, step=step)
         return
@@ -265,7 +279,9 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
             (step,),
             cause,
         )
-        for c in result.calls:
+        # The run ended while the model was thinking (cancel, cap): the call's usage is recorded,
+        # but nothing it proposed is: no tool call is requested and no answer given for an ended run.
+        for c in [] if state.ended else result.calls:
             cid = call_id(step, c.call_index)
             _emit(
                 ctx,
@@ -288,7 +304,7 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
                 (cid,),
                 cause,
             )
-        if result.final:
+        if result.final and not state.ended:
             _emit(
                 ctx,
                 deps,
@@ -335,6 +351,9 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
         new_state = st.finish_step(
             state, step, messages=result.messages, base_len=result.base_len, usage=result.usage, final=False
         )
+    if state.ended:
+        log.info("model_call_recorded_after_run_end", run_id=run_id, step=step)
+        new_state = None
     ctx.put_state(run_id, new_state)
 
 

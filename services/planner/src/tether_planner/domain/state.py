@@ -56,6 +56,9 @@ class RunState(BaseModel):
     usage: UsageTotals = Field(default_factory=UsageTotals)
     #: A final answer was emitted: no step starts any more.
     finished: bool = False
+    #: The run ended (RunTerminated) while `pending`'s model call was in flight: only that call's
+    #: outcome (its usage: it cost money) is still recorded, then the state goes.
+    ended: bool = False
 
     def tool_map(self) -> dict[str, ToolView]:
         return {t.name: t for t in self.tools}
