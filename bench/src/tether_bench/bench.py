@@ -1,0 +1,425 @@
+"""`make bench`: Tether's six services on the local stack under a scripted load; the last line printed is one JSON object.
+
+Phases (all in one run, side by side on the same machine):
+  1. throughput: N concurrent clients over several tenants submit runs of a zero-latency scripted
+     agent with an instant tool (kv_get) in a closed loop → steps/s, per-step platform overhead
+     (from the log's recorded_at_ms, minus the model's and the tool's own durations), submit →
+     first event;
+  2. submit probe: one run at a time → submit → first event without load;
+  3. latency-bound: the same agent with a slow model (TETHER_BENCH_LATENCY_MS, 1000 ms per turn),
+     1 then 2 planner instances (slots 0, 1);
+  4. peer: the same agent on LangGraph + AsyncPostgresSaver on the same PostgreSQL → steps/s ratio;
+  5. recovery: under load, each service SIGKILLed and restarted; time until its runs progress;
+  6. parking: as many runs as fit in the time bound park on an approval; RSS growth of the six
+     service processes per 10,000 parked runs.
+Durations scale with TETHER_BENCH_SCALE (e.g. 3 for a longer bench). See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tether_bench.analysis import all_steps, submit_to_first_event, throughput
+from tether_bench.common import (
+    APPROVAL_REQUESTED,
+    LoadSampler,
+    StackSettings,
+    machine,
+    percentile,
+    rounded,
+    rss_kb,
+)
+from tether_bench.load import ApproverBot, ClosedLoop, Submitted, make_tenants, submit_until_accepted
+from tether_bench.observer import LogObserver, Seen
+from tether_bench.peer_langgraph import run_peer
+from tether_bench.scenarios import kv_get_steps, park_on_approval, write_scenarios
+from tether_testing.system import SERVICES, SystemConfig, TetherSystem
+
+log = logging.getLogger("tether_bench")
+
+
+class BenchSettings(BaseSettings):
+    """Knobs of `make bench` (env prefix TETHER_BENCH_); durations are seconds before scaling."""
+
+    model_config = SettingsConfigDict(env_prefix="TETHER_BENCH_", extra="ignore", populate_by_name=True)
+
+    scale: float = Field(1.0, gt=0, validation_alias=AliasChoices("TETHER_BENCH_SCALE", "BENCH_SCALE"),
+                         description="Multiplies every phase's duration (a longer bench: 3).")
+    workdir: Path | None = Field(None, description="Logs, sinks, results (default .state/bench/<time>).")
+    partitions: int = 6
+    tenants: int = 4
+    concurrency: int = Field(64, description="Runs in flight in the throughput phase (clients).")
+    submit_threads: int = 16
+    steps: int = Field(5, ge=2, description="Steps per run (model-call rounds; the last one answers).")
+    warmup_s: float = 8.0
+    throughput_s: float = 40.0
+    probe_runs: int = 20
+    latency_ms: int = Field(1000, description="Model latency of the latency-bound variant (per turn).")
+    latency_concurrency: int = 64
+    latency_s: float = 25.0
+    peer_s: float = 25.0
+    peer_processes: int = 0  # 0 = one per CPU
+    recovery_rounds: int = 1
+    recovery_concurrency: int = 16
+    park_s: float = 60.0
+    park_max: int = 100_000
+    phases: str = Field("throughput,probe,latency,peer,recovery,park", description="Which phases to run.")
+    profile: bool = Field(False, description="py-spy record budget/planner/tool-gateway during the throughput phase.")
+
+
+def _py_spy() -> str | None:
+    return shutil.which("py-spy")
+
+
+class Bench:
+    """One bench run: a TetherSystem in a fresh namespace, the observer, tenants, then the phases."""
+
+    def __init__(self, settings: BenchSettings, stack: StackSettings) -> None:
+        self.s = settings
+        self.stack = stack
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.workdir = Path(settings.workdir or stack.state_dir / "bench" / stamp)
+        self.fast = kv_get_steps("bench-fast", settings.steps)
+        self.slow = kv_get_steps("bench-slow", settings.steps, latency_ms=settings.latency_ms)
+        self.park = park_on_approval("bench-park")
+        self.approve = park_on_approval("bench-approve")
+        self.results: dict[str, Any] = {}
+        self.load = LoadSampler()
+        self._sampling = threading.Event()
+
+    def scaled(self, seconds: float) -> float:
+        return seconds * self.s.scale
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        scenarios = write_scenarios(self.workdir / "scenarios", [self.fast, self.slow, self.park, self.approve])
+        huge = "1000000"
+        self.system = TetherSystem(SystemConfig(
+            kafka_bootstrap=self.stack.kafka_bootstrap, pg_dsn=self.stack.pg_dsn, redis_url=self.stack.redis_url,
+            workdir=self.workdir, namespace=f"bench_{uuid.uuid4().hex[:8]}", partitions=self.s.partitions,
+            scenarios=[scenarios],
+            extra_env={"run-api": {"TETHER_RUN_API_SUBMIT_RATE_PER_S": huge, "TETHER_RUN_API_SUBMIT_BURST": huge}},
+        ))
+        began = time.monotonic()
+        self.system.start()
+        self.results["startup_s"] = round(time.monotonic() - began, 1)
+        self.observer = LogObserver(self.stack.kafka_bootstrap, self.system.names.topics.run_events,
+                                    self.s.partitions).start()
+        self.tenants = make_tenants(self.system, self.s.tenants)
+        self.bot = ApproverBot({t.tenant_id: t for t in self.tenants}).attach(self.observer)
+        self.bot.enabled = False
+        threading.Thread(target=self._sample_load, daemon=True).start()
+
+    def _sample_load(self) -> None:
+        while not self._sampling.is_set():
+            self.load.sample()
+            self._sampling.wait(5)
+
+    def stop(self) -> None:
+        self._sampling.set()
+        for closer in (getattr(self, "bot", None), getattr(self, "observer", None)):
+            if closer is not None:
+                closer.close() if hasattr(closer, "close") else closer.stop()
+        system = getattr(self, "system", None)
+        if system is not None:
+            system.stop()
+            system.drop_data()
+
+    def service_pids(self) -> dict[str, int]:
+        return {name: proc.pid for name, proc in self.system.processes.items()
+                if name.split("#")[0] in SERVICES and proc.running}
+
+    # -- phases ------------------------------------------------------------------------------------
+    def closed_loop(self, workloads, concurrency: int, seconds: float, choose=None) -> tuple[ClosedLoop, tuple]:
+        driver = ClosedLoop(self.observer, self.tenants, workloads, concurrency=concurrency,
+                            submit_threads=min(self.s.submit_threads, concurrency), choose=choose)
+        try:
+            window = driver.run(seconds)
+            left = driver.drain(60)
+            if left:
+                log.warning("runs still in flight after the drain: %d", len(left))
+        finally:
+            driver.close()
+        return driver, window
+
+    def phase_throughput(self) -> None:
+        warmup, seconds = self.scaled(self.s.warmup_s), self.scaled(self.s.throughput_s)
+        profilers = self._start_profilers(warmup, seconds) if self.s.profile else []
+        driver, (start, end) = self.closed_loop([self.fast], self.s.concurrency, warmup + seconds)
+        for proc in profilers:
+            proc.wait(timeout=120)
+        runs = self.observer.snapshot()
+        steps = all_steps(runs, driver.submitted)
+        figures = throughput(steps, (start + warmup * 1000, end))
+        latencies = submit_to_first_event({r: s.submit_start_ms for r, s in driver.submitted.items()}, runs)
+        figures["submit_to_first_event_ms_p50_under_load"] = rounded(percentile(latencies, 50), 1)
+        figures["runs"] = len(driver.submitted)
+        figures["submit_errors"] = len(driver.submit_errors)
+        figures["concurrency"] = self.s.concurrency
+        figures["tenants"] = self.s.tenants
+        figures["steps_per_run"] = self.s.steps
+        self.results["throughput"] = figures
+
+    def _start_profilers(self, warmup: float, seconds: float) -> list[subprocess.Popen]:
+        spy = _py_spy()
+        if spy is None:
+            log.warning("TETHER_BENCH_PROFILE set but py-spy is not on PATH; no profile")
+            return []
+        procs = []
+        for name in ("budget", "planner", "tool-gateway"):
+            out = self.workdir / f"profile-{name}.txt"
+            # Starts after the warm-up, so the profile covers the measured window.
+            cmd = (f"sleep {warmup:.0f}; exec {spy} record --pid {self.system.processes[name].pid} "
+                   f"--duration {int(seconds)} --rate 50 --format raw --nonblocking --output {out}")
+            procs.append(subprocess.Popen(["bash", "-c", cmd], stdout=subprocess.DEVNULL,
+                                          stderr=open(self.workdir / f"profile-{name}.log", "w")))
+        return procs
+
+    def phase_probe(self) -> None:
+        client = self.tenants[0].client
+        latencies = []
+        for _ in range(self.s.probe_runs):
+            run_id, _req, start_ms, _end = submit_until_accepted(client, self.fast.goal())
+            self.observer.wait_count(lambda r=run_id: bool(self.observer.events(r)), 30)
+            events = self.observer.events(run_id)
+            if events:
+                latencies.append(min(events, key=lambda e: e.seq).seen_ms - start_ms)
+            self.observer.wait_count(lambda r=run_id: self.observer.is_terminal(r), 30)
+        self.results["probe"] = {"runs": len(latencies),
+                                 "submit_to_first_event_ms_p50": rounded(percentile(latencies, 50), 1),
+                                 "submit_to_first_event_ms_p99": rounded(percentile(latencies, 99), 1)}
+
+    def phase_latency(self) -> None:
+        seconds = self.scaled(self.s.latency_s)
+        warmup = min(5.0, seconds / 4)
+        out: dict[str, Any] = {"model_latency_ms": self.s.latency_ms, "concurrency": self.s.latency_concurrency,
+                               "planner_work_threads": 8}
+        for instances in (1, 2):
+            if instances == 2:
+                self.system.start_instance("planner", 1)
+            driver, (start, end) = self.closed_loop([self.slow], self.s.latency_concurrency, warmup + seconds)
+            figures = throughput(all_steps(self.observer.snapshot(), driver.submitted), (start + warmup * 1000, end))
+            out[f"planners_{instances}"] = {"steps_per_s": figures["steps_per_s"],
+                                            "step_overhead_ms_p50": figures["step_overhead_ms_p50"],
+                                            "step_overhead_ms_p99": figures["step_overhead_ms_p99"]}
+        self.system.stop_instance("planner#1")
+        one, two = out["planners_1"]["steps_per_s"], out["planners_2"]["steps_per_s"]
+        out["scale_out_ratio"] = round(two / one, 2) if one else None
+        self.results["latency_bound"] = out
+
+    def phase_peer(self) -> None:
+        processes = self.s.peer_processes or (self.results["machine"]["nproc"] or 1)
+        self.results["peer"] = run_peer(
+            dsn=self.stack.pg_dsn, model_url=self.system.model_base_url or "", kv_url=self.system.sink_urls["kv"],
+            goal_marker=self.fast.marker, steps_per_run=self.fast.steps, processes=processes,
+            concurrency=self.s.concurrency, seconds=self.scaled(self.s.warmup_s + self.s.peer_s),
+            warmup_s=self.scaled(self.s.warmup_s), workdir=self.workdir, python=sys.executable)
+
+    def phase_recovery(self) -> None:
+        self.bot.enabled = True
+        order = ["budget", "planner", "tool-gateway", "approval", "projector", "run-api"]
+        samples: list[dict[str, Any]] = []
+        stop = threading.Event()
+        driver = ClosedLoop(self.observer, self.tenants, [self.fast, self.approve],
+                            concurrency=self.s.recovery_concurrency, submit_threads=8,
+                            choose=lambda slot, n: 1 if slot % 4 == 0 else 0)
+        runner = threading.Thread(target=driver.run, args=(24 * 3600,), daemon=True)
+        runner.start()
+        try:
+            time.sleep(5)
+            for _round in range(max(1, round(self.s.recovery_rounds * self.s.scale))):
+                for name in order:
+                    samples.append(self._recover_once(name))
+                    time.sleep(2)
+        finally:
+            stop.set()
+            driver.finish()
+            runner.join(timeout=60)
+            driver.drain(60)
+            driver.close()
+            self.bot.enabled = False
+        values = [s["recovery_s"] for s in samples if s["recovery_s"] is not None]
+        self.results["recovery"] = {
+            "samples": samples,
+            "recovery_s_p50": rounded(percentile(values, 50), 2),
+            "recovery_s_p99": rounded(percentile(values, 99), 2),
+            "unrecovered": sum(1 for s in samples if s["recovery_s"] is None),
+        }
+
+    def _recover_once(self, name: str, timeout_s: float = 120.0) -> dict[str, Any]:
+        progressed = threading.Event()
+        seen_at: list[float] = []
+        kill_ms = time.time() * 1000
+        producer = {"tool-gateway": "tool-gateway"}.get(name, name)
+
+        def watch(event: Seen) -> None:
+            if event.producer == producer and event.recorded_at_ms > kill_ms and not progressed.is_set():
+                seen_at.append(event.seen_ms)
+                progressed.set()
+
+        if name in ("budget", "planner", "tool-gateway", "approval"):
+            self.observer.on_event.append(watch)
+        self.system.kill(name)
+        kill_ms = time.time() * 1000  # the process is gone now: anything recorded later is its successor's
+        restart_began = time.monotonic()
+        try:
+            self.system.restart(name)
+            restart_s = time.monotonic() - restart_began
+            if name == "projector":
+                at = self._wait_projected_after(kill_ms, timeout_s)
+            elif name == "run-api":
+                at = self._wait_submit_ok(timeout_s)
+            else:
+                progressed.wait(timeout_s)
+                at = seen_at[0] if seen_at else None
+        finally:
+            if watch in self.observer.on_event:
+                self.observer.on_event.remove(watch)
+        return {"service": name, "restart_s": round(restart_s, 2),
+                "recovery_s": None if at is None else round((at - kill_ms) / 1000, 2)}
+
+    def _wait_projected_after(self, kill_ms: float, timeout_s: float) -> float | None:
+        schema = self.system.names.read_model_schema
+        deadline = time.monotonic() + timeout_s
+        with psycopg.connect(self.stack.pg_dsn, autocommit=True) as conn:
+            while time.monotonic() < deadline:
+                row = conn.execute(f'SELECT max(recorded_at_ms) FROM "{schema}".events').fetchone()
+                if row and row[0] is not None and row[0] > kill_ms:
+                    return time.time() * 1000
+                time.sleep(0.05)
+        return None
+
+    def _wait_submit_ok(self, timeout_s: float) -> float | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                submit_until_accepted(self.tenants[0].client, self.fast.goal(), give_up_after_s=timeout_s)
+                return time.time() * 1000
+            except Exception:  # noqa: BLE001 - not back yet
+                time.sleep(0.05)
+        return None
+
+    def phase_park(self) -> None:
+        pids = self.service_pids()
+        time.sleep(2)
+        before = {name: rss_kb(pid) for name, pid in pids.items()}
+        deadline = time.monotonic() + self.scaled(self.s.park_s)
+        submitted: list[str] = []
+        lock = threading.Lock()
+        clients = [t.client for t in self.tenants]
+
+        def submitter(i: int) -> None:
+            client = clients[i % len(clients)]
+            while time.monotonic() < deadline:
+                with lock:
+                    if len(submitted) >= self.s.park_max:
+                        return
+                try:
+                    run_id, *_ = submit_until_accepted(client, self.park.goal(), give_up_after_s=30)
+                except Exception:  # noqa: BLE001 - overload shows as errors; count what parked
+                    time.sleep(0.2)
+                    continue
+                with lock:
+                    submitted.append(run_id)
+
+        began = time.monotonic()
+        with ThreadPoolExecutor(self.s.submit_threads) as pool:
+            list(pool.map(submitter, range(self.s.submit_threads)))
+        submit_s = time.monotonic() - began
+
+        def parked() -> int:
+            return sum(1 for r in submitted if any(e.event_type == APPROVAL_REQUESTED for e in self.observer.events(r))
+                       and not self.observer.is_terminal(r))
+
+        self.observer.wait_count(lambda: parked() >= len(submitted), 120)
+        time.sleep(3)
+        count = parked()
+        pids_after = self.service_pids()
+        after = {name: rss_kb(pid) for name, pid in pids_after.items()}
+        growth_kb = sum(after.values()) - sum(before.values())
+        self.results["park"] = {
+            "submitted": len(submitted), "parked_runs": count, "submit_s": round(submit_s, 1),
+            "rss_mb_before": {k: round(v / 1024, 1) for k, v in before.items()},
+            "rss_mb_after": {k: round(v / 1024, 1) for k, v in after.items()},
+            "rss_growth_mb": round(growth_kb / 1024, 1),
+            "parked_rss_mb_per_10k": round(growth_kb / 1024 / count * 10_000, 1) if count else None,
+        }
+
+    # -- the whole ---------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        self.results["machine"] = machine()
+        began = time.monotonic()
+        self.start()
+        try:
+            phases = [p.strip() for p in self.s.phases.split(",") if p.strip()]
+            for phase in phases:
+                t0 = time.monotonic()
+                print(f"bench: phase {phase} ...", file=sys.stderr, flush=True)
+                getattr(self, f"phase_{phase}")()
+                self.results.setdefault("phase_s", {})[phase] = round(time.monotonic() - t0, 1)
+                print(f"bench: phase {phase} done in {time.monotonic() - t0:.0f}s: "
+                      f"{json.dumps(self.results.get(_RESULT_KEY.get(phase, phase)))}", file=sys.stderr, flush=True)
+        finally:
+            self.results["load_during_run"] = self.load.summary()
+            self.stop()
+        self.results["wall_s"] = round(time.monotonic() - began, 1)
+        self.results["workdir"] = str(self.workdir)
+        return self.results
+
+
+_RESULT_KEY = {"latency": "latency_bound"}
+
+
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The one JSON object `make bench` ends with."""
+    tp = results.get("throughput", {})
+    peer = results.get("peer", {})
+    lat = results.get("latency_bound", {})
+    steps = tp.get("steps_per_s")
+    return {
+        "steps_per_s": steps,
+        "step_overhead_ms_p50": tp.get("step_overhead_ms_p50"),
+        "step_overhead_ms_p99": tp.get("step_overhead_ms_p99"),
+        "submit_to_first_event_ms_p50": results.get("probe", {}).get("submit_to_first_event_ms_p50"),
+        "submit_to_first_event_ms_p50_under_load": tp.get("submit_to_first_event_ms_p50_under_load"),
+        "parked_runs": results.get("park", {}).get("parked_runs"),
+        "parked_rss_mb_per_10k": results.get("park", {}).get("parked_rss_mb_per_10k"),
+        "recovery_s_p99": results.get("recovery", {}).get("recovery_s_p99"),
+        "peer_steps_per_s": peer.get("steps_per_s"),
+        "peer_ratio_steps_per_s": round(steps / peer["steps_per_s"], 2) if steps and peer.get("steps_per_s") else None,
+        "latency_bound_steps_per_s_1_planner": lat.get("planners_1", {}).get("steps_per_s"),
+        "latency_bound_steps_per_s_2_planners": lat.get("planners_2", {}).get("steps_per_s"),
+        "nproc": results.get("machine", {}).get("nproc"),
+        "loadavg_during_run": results.get("load_during_run"),
+        "wall_s": results.get("wall_s"),
+    }
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    settings = BenchSettings()
+    bench = Bench(settings, StackSettings())
+    results = bench.run()
+    bench.workdir.mkdir(parents=True, exist_ok=True)
+    (bench.workdir / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"bench: full results in {bench.workdir / 'results.json'}", file=sys.stderr, flush=True)
+    print(json.dumps(summary(results)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""Shared pieces of the bench and the chaos run: settings from the environment, statistics, the machine, RSS, the stack."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO = Path(__file__).resolve().parents[3]
+STACK_SCRIPT = REPO / "deploy" / "local" / "stack.py"
+
+#: Event types of the run event log (the `event_type` of the envelope).
+RUN_ACCEPTED = "tether.v1.RunAccepted"
+RUN_REJECTED = "tether.v1.RunRejected"
+RUN_COMPLETED = "tether.v1.RunCompleted"
+RUN_TERMINATED = "tether.v1.RunTerminated"
+STEP_GRANTED = "tether.v1.StepGranted"
+MODEL_CALL_COMPLETED = "tether.v1.ModelCallCompleted"
+MODEL_CALL_FAILED = "tether.v1.ModelCallFailed"
+TOOL_CALL_REQUESTED = "tether.v1.ToolCallRequested"
+TOOL_CALL_BUDGETED = "tether.v1.ToolCallBudgeted"
+TOOL_CALL_COMPLETED = "tether.v1.ToolCallCompleted"
+TOOL_CALL_FAILED = "tether.v1.ToolCallFailed"
+TOOL_CALL_DENIED = "tether.v1.ToolCallDenied"
+TOOL_CALL_OUTCOME_UNKNOWN = "tether.v1.ToolCallOutcomeUnknown"
+APPROVAL_REQUESTED = "tether.v1.ApprovalRequested"
+APPROVAL_DECIDED = "tether.v1.ApprovalDecided"
+TERMINAL_TYPES = frozenset({RUN_COMPLETED, RUN_TERMINATED, RUN_REJECTED})
+
+
+class BenchError(Exception):
+    """The bench or the chaos run could not do what it set out to do; the message says what."""
+
+
+class StackSettings(BaseSettings):
+    """Where the stack is: the same TETHER_* variables every service and test reads (fixed names)."""
+
+    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True)
+
+    kafka_bootstrap: str = Field("127.0.0.1:9092", validation_alias=AliasChoices("TETHER_KAFKA_BOOTSTRAP"))
+    pg_dsn: str = Field("postgresql://tether@127.0.0.1:5432/tether", validation_alias=AliasChoices("TETHER_PG_DSN"))
+    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias=AliasChoices("TETHER_REDIS_URL"))
+    state_dir: Path = Field(REPO / ".state", validation_alias=AliasChoices("TETHER_STATE_DIR"))
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) by the nearest-rank method; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return float(ordered[min(rank, len(ordered)) - 1])
+
+
+def rounded(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def rss_kb(pid: int) -> int:
+    """Resident set size of a process in KiB, from /proc/<pid>/status (VmRSS); 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return 0
+    return 0
+
+
+def loadavg() -> tuple[float, float, float]:
+    with open("/proc/loadavg") as fh:
+        one, five, fifteen = fh.read().split()[:3]
+    return float(one), float(five), float(fifteen)
+
+
+def machine() -> dict[str, object]:
+    """What the numbers were measured on: CPUs, memory, the load at this moment."""
+    mem_kb = 0
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemTotal:"):
+                mem_kb = int(line.split()[1])
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"nproc": os.cpu_count(), "cpu": model, "mem_gib": round(mem_kb / 1024 / 1024, 1),
+            "loadavg_1_5_15": loadavg(), "python": sys.version.split()[0]}
+
+
+class LoadSampler:
+    """Samples the 1-minute load average while a phase runs (the machine may be shared)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    def sample(self) -> None:
+        self.samples.append(loadavg()[0])
+
+    def summary(self) -> dict[str, float | None]:
+        return {"min": rounded(min(self.samples, default=None)), "max": rounded(max(self.samples, default=None)),
+                "mean": rounded(sum(self.samples) / len(self.samples) if self.samples else None)}
+
+
+class StackControl:
+    """Stops and starts a component of the local stack by the PID its state dir recorded (deploy/local/stack.py).
+
+    Only a broker or database that this state dir started is touched: `down` of a component the
+    state dir did not start reports "not running", which is an error here (never a silent no-op).
+    """
+
+    def __init__(self, state_dir: Path, python: str = "python3") -> None:
+        self.state_dir = state_dir
+        self.python = python
+
+    def _stack(self, *args: str) -> dict:
+        env = {**os.environ, "TETHER_STATE_DIR": str(self.state_dir)}
+        done = subprocess.run([self.python, str(STACK_SCRIPT), *args, "--json"], env=env, capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL, timeout=300)
+        try:
+            report = json.loads(done.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            raise BenchError(f"stack.py {' '.join(args)} printed no JSON (exit {done.returncode}): "
+                             f"{done.stdout}{done.stderr}") from None
+        if done.returncode != 0:
+            raise BenchError(f"stack.py {' '.join(args)} failed: {report.get('error') or done.stderr}")
+        return report
+
+    def pid(self, component: str) -> int | None:
+        info = self._stack("status", component)[component]
+        return info.get("pid") if info.get("state") == "running" else None
+
+    def require_ours(self, component: str) -> int:
+        """The PID of the component this state dir started; BenchError if it did not start one."""
+        pid = self.pid(component)
+        if pid is None:
+            raise BenchError(f"{component} was not started from {self.state_dir} (make up with this TETHER_STATE_DIR); "
+                             "chaos restarts only a server its own stack started")
+        return pid
+
+    def restart(self, component: str, *, down_s: float = 0.0) -> dict[str, float]:
+        """Stop the component (by its recorded PID), wait `down_s`, start it again; returns timings."""
+        began = time.monotonic()
+        stopped = self._stack("down", component)[component]
+        if not stopped.get("stopped"):
+            raise BenchError(f"{component}: stack.py down stopped nothing (not started from {self.state_dir})")
+        stop_s = time.monotonic() - began
+        time.sleep(down_s)
+        started = self._stack("up", component)[component]
+        return {"pid_before": stopped["pid"], "pid_after": started["pid"], "stop_s": round(stop_s, 2),
+                "down_s": round(time.monotonic() - began, 2)}
