@@ -7,25 +7,37 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 from psycopg_pool import ConnectionPool
-
-from tether_runtime.logging import log_redactor
-from tether_security import EnvSecretProvider, FileSecretProvider, Redactor, SecretRegistry, StaticSecretProvider
-from tether_security import SecretProvider as SecretSource
 
 from tether_messaging.blobstore import PostgresBlobStore
 from tether_messaging.topics import Topics
+from tether_runtime.logging import log_redactor
+from tether_security import (
+    EnvSecretProvider,
+    FileSecretProvider,
+    Redactor,
+    SandboxRunner,
+    SandboxUnavailable,
+    SecretRegistry,
+    StaticSecretProvider,
+)
+from tether_security import SecretProvider as SecretSource
 from tether_tool_gateway.domain.policy import TrustPolicy
 from tether_tool_gateway.domain.policy_document import LoadedPolicy, default_policy, parse_policy
 from tether_tool_gateway.domain.results import ResultLimits
 from tether_tool_gateway.entrypoint import GatewayProcessor
 from tether_tool_gateway.execution import ToolRunner
 from tether_tool_gateway.executors.builtin import BuiltinExecutor
+from tether_tool_gateway.executors.sandbox import SandboxExecutor
 from tether_tool_gateway.handlers import Deps
 from tether_tool_gateway.ledger.port import Owner
 from tether_tool_gateway.ledger.postgres import PostgresLedger
+from tether_tool_gateway.ports import Executor
 from tether_tool_gateway.ratelimit import RedisRateLimiter
 from tether_tool_gateway.settings import GatewaySettings
+
+log = structlog.get_logger("tether_tool_gateway.bootstrap")
 
 
 @dataclass
@@ -39,12 +51,20 @@ class Gateway:
     blobs: PostgresBlobStore
     limiter: RedisRateLimiter
     redactor: Redactor
+    sandbox: SandboxRunner | None = None
 
     def open(self) -> None:
-        """Connect to PostgreSQL and create the ledger and blob schemas if missing."""
+        """Connect to PostgreSQL and create the ledger and blob schemas if missing; probe the sandbox."""
         self.pool.open(wait=True, timeout=30)
         self.ledger.ensure_schema()
         self.blobs.ensure_schema()
+        if self.sandbox is not None:
+            try:
+                self.sandbox.probe()
+            except SandboxUnavailable as exc:
+                # Tools of kind 'sandbox' then fail with EXECUTOR_UNAVAILABLE; nothing runs unsandboxed.
+                self.runner.remove_executor("sandbox")
+                log.warning("sandbox_unavailable", error=str(exc))
 
     def close(self) -> None:
         self.runner.close()
@@ -90,9 +110,18 @@ def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None,
     # the process-wide log redactor, so the same values never reach a log line either.
     redactor = log_redactor()
     secrets = SecretRegistry(secret_source(settings, environ or {}), redactor)
+    executors: dict[str, Executor] = {"builtin": BuiltinExecutor()}
+    sandbox: SandboxRunner | None = None
+    if settings.sandbox_enabled:
+        try:
+            sandbox = SandboxRunner()
+            executors["sandbox"] = SandboxExecutor(sandbox)
+        except SandboxUnavailable as exc:
+            # Tools of kind 'sandbox' then fail with EXECUTOR_UNAVAILABLE; nothing runs unsandboxed.
+            log.warning("sandbox_unavailable", error=str(exc))
     runner = ToolRunner(
         ledger=ledger,
-        executors={"builtin": BuiltinExecutor()},
+        executors=executors,
         blobs=blobs,
         owner=owner,
         secrets=secrets,
@@ -112,7 +141,7 @@ def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None,
     )
     processor = GatewayProcessor(deps, sweep_interval_ms=settings.sweep_interval_ms, sweep_limit=settings.sweep_limit)
     return Gateway(processor=processor, runner=runner, pool=pool, ledger=ledger, blobs=blobs, limiter=limiter,
-                   redactor=redactor)
+                   redactor=redactor, sandbox=sandbox)
 
 
 def declare_topics(settings: GatewaySettings) -> None:

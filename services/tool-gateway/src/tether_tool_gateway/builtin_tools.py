@@ -175,3 +175,38 @@ def builtin_tool_specs(*, kv_url: str, smtp_host: str, smtp_port: int, email_fro
         kv_get_spec(kv_url),
         send_email_spec(smtp_host, smtp_port, email_from, recipient_domains=email_recipient_domains),
     ]
+
+
+RUN_CODE_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "minLength": 1, "maxLength": 100_000},
+        "stdin": {"type": "string", "maxLength": 1_000_000},
+    },
+    "required": ["code"],
+    "additionalProperties": False,
+}
+
+
+def sandbox_code_spec(*, name: str = "run_python", interpreter: Sequence[str] = ("/usr/bin/python3",),
+                      timeout_ms: int = 30_000, limits: dict[str, Any] | None = None, version: int = 1) -> ToolSpec:
+    """Run a script in a fresh bubblewrap sandbox (executor_kind "sandbox"): no network, no secrets,
+    a private work dir that vanishes afterwards. It changes nothing outside, so it is READ_ONLY
+    and idempotent; its output is what the model's own code printed (not untrusted content)."""
+    config: dict[str, Any] = {"interpreter": list(interpreter), "script_arg": "code", "stdin_arg": "stdin"}
+    if limits:
+        config["limits"] = dict(limits)
+    return ToolSpec(
+        name=name,
+        version=version,
+        description=f"Run a {interpreter[0].rsplit('/', 1)[-1]} script in an isolated sandbox without network "
+                    "access. Returns exit_code, stdout and stderr; resource limits end runaway scripts.",
+        args_schema_json=_json(RUN_CODE_SCHEMA),
+        risk_class=RiskClass.READ_ONLY,
+        idempotent=True,
+        untrusted_source=False,
+        executor_kind="sandbox",
+        executor_config_json=_json(config),
+        timeout_ms=timeout_ms,
+    )

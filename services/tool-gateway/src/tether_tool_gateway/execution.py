@@ -184,6 +184,10 @@ class ToolRunner:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def remove_executor(self, kind: str) -> None:
+        """Stop offering an executor kind (its tools then fail with EXECUTOR_UNAVAILABLE)."""
+        self._executors.pop(kind, None)
+
     def run(self, intent: Intent, tool: ToolSpec, limit: RateLimit | None = None, attempt: int = 1) -> Outcome:
         """Execute a decided call once: pass the rate limit (if any), claim its intent, then
         execute, replay or wait. `attempt` numbers the rate-limit checks of the call."""

@@ -33,6 +33,10 @@ class GatewaySettings(ServiceSettings):
     inline_result_max_bytes: int = Field(64 * 1024, ge=1, description="Larger results go to the blob store.")
     result_max_bytes: int = Field(8 * 1024 * 1024, ge=1, description="Larger results fail with OVERSIZED_RESULT.")
 
+    # -- sandbox ------------------------------------------------------------------------------
+    sandbox_enabled: bool = Field(True, description="Offer executor_kind 'sandbox' (bubblewrap); probed at start-up, "
+                                                    "left out (EXECUTOR_UNAVAILABLE) if it cannot work here.")
+
     # -- secrets ------------------------------------------------------------------------------
     secrets_path: str | None = Field(None, description="Secret store for tools (tether_security.FileSecretProvider): "
                                                        "a 0700 directory, or a 0600 .json/.toml file.")

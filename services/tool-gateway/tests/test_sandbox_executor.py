@@ -1,0 +1,70 @@
+"""The sandbox executor on the real bubblewrap sandbox: results, limits as tool errors, no network, no secrets."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tether_security import SandboxLimits, SandboxRunner
+from tether_tool_gateway.builtin_tools import sandbox_code_spec
+from tether_tool_gateway.domain.errors import ToolError
+from tether_tool_gateway.executors.sandbox import SandboxExecutor
+from tether_tool_gateway.ports import ExecutionRequest, MappingSecretProvider
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+SECRET = "sk-live-SANDBOX-CANARY-91c2"
+
+
+def run(code: str, *, limits: dict | None = None, stdin: str | None = None, timeout_ms: int = 20_000,
+        runner: SandboxRunner | None = None):
+    tool = sandbox_code_spec(timeout_ms=timeout_ms, limits=limits)
+    args = {"code": code} if stdin is None else {"code": code, "stdin": stdin}
+    request = ExecutionRequest(tool=tool, args=args, idem_key="k" * 64, run_id="r", tenant_id="t", call_id="1.0",
+                               attempt=1, timeout_s=timeout_ms / 1000)
+    executor = SandboxExecutor(runner or SandboxRunner(limits=SandboxLimits(wall_seconds=15)))
+    return executor.execute(request, MappingSecretProvider({"api/key": SECRET}))
+
+
+def test_a_script_runs_and_its_output_is_the_result():
+    out = run("import sys; print(sum(range(10))); print(sys.stdin.read().upper(), file=sys.stderr)", stdin="hi")
+    assert out["exit_code"] == 0 and out["stdout"] == "45\n" and out["stderr"] == "HI\n"
+
+
+def test_a_failing_script_is_a_result_the_model_can_fix():
+    out = run("raise SystemExit(3)")
+    assert out["exit_code"] == 3
+
+
+def test_no_network_and_no_secrets_inside():
+    out = run("import os, socket\n"
+              "print(sorted(os.environ))\n"
+              "s = socket.socket()\n"
+              "s.settimeout(2)\n"
+              "try:\n    s.connect(('1.1.1.1', 80)); print('connected')\n"
+              "except OSError as e:\n    print('blocked', e.errno)\n")
+    assert "blocked" in out["stdout"] and "connected" not in out["stdout"]
+    assert SECRET not in out["stdout"] and "TETHER" not in out["stdout"]
+
+
+@pytest.mark.parametrize("code,expected", [
+    ("x = bytearray(2 << 30)", "MEMORY_LIMIT"),
+    ("import os\nwhile True:\n    os.fork()", "PROCESS_LIMIT"),
+])
+def test_bombs_are_contained_and_reported_as_tool_errors(code, expected):
+    with pytest.raises(ToolError) as err:
+        run(code, limits={"memory_bytes": 256 << 20, "max_processes": 32})
+    assert err.value.code == "TOOL_ERROR" and expected in err.value.detail and not err.value.retryable
+
+
+def test_an_endless_loop_ends_at_the_wall_clock_before_the_gateway_gives_up():
+    with pytest.raises(ToolError) as err:
+        run("while True: pass", limits={"cpu_seconds": 60, "wall_seconds": 2}, timeout_ms=10_000)
+    assert err.value.code == "TIMEOUT" and "sandbox TIMEOUT" in err.value.detail
+
+
+def test_without_a_working_sandbox_nothing_runs():
+    with pytest.raises(ToolError) as err:
+        run("print(1)", runner=SandboxRunner(bwrap="/bin/false"))  # bubblewrap that cannot build anything
+    assert err.value.code == "EXECUTOR_UNAVAILABLE"
