@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 # `make run` hands over to this script once it exists (the agent demo run).
 RUN_DEMO ?= $(ROOT)/deploy/local/run-demo
 
-.PHONY: help setup up down services-down status test run generate
+.PHONY: help setup up down services-down status test run generate bench chaos
 
 help:
 	@echo "make run       set up, start the local stack, run the demo"
@@ -34,6 +34,8 @@ help:
 	@echo "make status    show the stack's processes, addresses, data and logs"
 	@echo "make setup     install what is missing (Debian packages, uv, .venv, Kafka jars)"
 	@echo "make generate  regenerate code derived from schemas/ and proto/"
+	@echo "make bench     start the stack and Tether, measure it under load (BENCH_SCALE=3 for longer; docs/benchmarks.md)"
+	@echo "make chaos     runs under SIGKILLs and broker/database restarts, then the invariant check (CHAOS_SECONDS=120)"
 
 setup:
 	@$(ROOT)/deploy/local/setup.sh
@@ -67,3 +69,16 @@ run: up
 generate: setup
 	cd $(ROOT) && $(VENV)/bin/python -m tether_contracts.codegen
 	cd $(ROOT) && $(VENV)/bin/python -m tether_contracts.protogen
+
+# Benchmarks and the fault run (docs/benchmarks.md). Both print one JSON object as their last line.
+# `make chaos` restarts the Kafka broker and PostgreSQL of THIS stack (TETHER_STATE_DIR): on a shared
+# machine give it a stack of its own, e.g. TETHER_STATE_DIR=/tmp/tether-chaos TETHER_KAFKA_PORT=19092
+# TETHER_PG_PORT=15432 TETHER_REDIS_PORT=16379 make chaos.
+BENCH_SCALE ?= 1
+CHAOS_SECONDS ?= 600
+
+bench: up
+	cd $(ROOT) && TETHER_BENCH_SCALE=$(BENCH_SCALE) $(VENV)/bin/python -m tether_bench.bench
+
+chaos: up
+	cd $(ROOT) && CHAOS_SECONDS=$(CHAOS_SECONDS) $(VENV)/bin/python -m tether_bench.chaos

@@ -1,0 +1,331 @@
+"""`make chaos`: many concurrent runs under random SIGKILLs and broker/database restarts, then the invariant checker.
+
+While clients submit runs with idempotent (kv_put) and non-idempotent (send_email, approved by a
+bot through the gRPC API) effects, a fault loop SIGKILLs random service instances (restarting
+each after a random short delay), restarts the Kafka broker and restarts PostgreSQL (each by the
+PID its stack recorded: deploy/local/stack.py down/up with TETHER_STATE_DIR). A supervisor
+restarts any service that exits on its own, as Kubernetes would (counted). Then the clients stop,
+the runs drain, everything stops, and `tether_bench.invariants` reads the log from offset 0, the
+sinks' files, the model's request log and the gateway's ledger. The last line printed is one JSON
+object; the exit status is 1 if any invariant is violated (the namespace is then kept for
+inspection). CHAOS_SECONDS (default 600) bounds the fault period.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tether_bench.common import BenchError, LoadSampler, StackControl, StackSettings, machine
+from tether_bench.eventlog import read_log
+from tether_bench.invariants import Evidence, Fault, check, violated
+from tether_bench.load import ApproverBot, ClosedLoop, make_tenants
+from tether_bench.observer import LogObserver
+from tether_bench.scenarios import chaos_mix, write_scenarios
+from tether_devservices.recorder import read_records
+from tether_modelserver.server import read_request_log
+from tether_testing.processes import ServiceFailed
+from tether_testing.system import SERVICES, SystemConfig, TetherSystem
+
+log = logging.getLogger("tether_chaos")
+
+
+class ChaosSettings(BaseSettings):
+    """Knobs of `make chaos` (env prefix TETHER_CHAOS_; CHAOS_SECONDS for the length)."""
+
+    model_config = SettingsConfigDict(env_prefix="TETHER_CHAOS_", extra="ignore", populate_by_name=True)
+
+    seconds: float = Field(600, gt=0, validation_alias=AliasChoices("CHAOS_SECONDS", "TETHER_CHAOS_SECONDS"),
+                           description="How long faults are injected (the drain and the check come on top).")
+    workdir: Path | None = None
+    seed: int | None = None
+    partitions: int = 6
+    tenants: int = 3
+    concurrency: int = Field(24, description="Runs in flight.")
+    instances: int = Field(2, ge=1, description="Instances of budget, planner and tool-gateway (slots 0..n-1).")
+    kill_every_min_s: float = 4.0
+    kill_every_max_s: float = 12.0
+    restart_after_min_s: float = 0.5
+    restart_after_max_s: float = 5.0
+    kafka_restarts: int = Field(0, description="Broker restarts; 0 = one per 4 minutes, at least one.")
+    postgres_restarts: int = Field(0, description="Database restarts; 0 = one per 4 minutes, at least one.")
+    drain_s: float = Field(300, description="How long the runs may take to finish after the faults stop.")
+    sink_delay_ms: int = Field(150, description="KV and SMTP record an effect at once but answer this late.")
+    slow_model_ms: int = Field(300, description="Model latency of half of the runs (widens the windows).")
+    keep: bool = Field(False, description="Keep the namespace (topics, schemas) even when every invariant holds.")
+
+
+class Chaos:
+    """One chaos run (see the module doc)."""
+
+    def __init__(self, settings: ChaosSettings, stack: StackSettings) -> None:
+        self.s = settings
+        self.stack = stack
+        self.seed = settings.seed if settings.seed is not None else random.SystemRandom().randrange(1 << 30)
+        self.rng = random.Random(self.seed)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.workdir = Path(settings.workdir or stack.state_dir / "chaos" / stamp)
+        self.control = StackControl(stack.state_dir)
+        self.fast = chaos_mix("chaos-mix")
+        self.slow = chaos_mix("chaos-mix-slow", latency_ms=settings.slow_model_ms)
+        self.faults: list[Fault] = []
+        self.timeline: list[dict[str, Any]] = []
+        self.service_exits: list[dict[str, Any]] = []
+        self._down: set[str] = set()  # components the fault loop took down (the supervisor leaves them)
+        self._lock = threading.Lock()
+        self._stop_faults = threading.Event()
+        self._restarts: list[threading.Thread] = []
+        self.load = LoadSampler()
+
+    def note(self, **entry: Any) -> None:
+        entry["t_ms"] = round(time.time() * 1000)
+        with self._lock:
+            self.timeline.append(entry)
+        print(f"chaos: {json.dumps(entry)}", file=sys.stderr, flush=True)
+
+    # -- set-up -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.control.require_ours("kafka")
+        self.control.require_ours("postgres")
+        scenarios = write_scenarios(self.workdir / "scenarios", [self.fast, self.slow])
+        huge = "1000000"
+        self.system = TetherSystem(SystemConfig(
+            kafka_bootstrap=self.stack.kafka_bootstrap, pg_dsn=self.stack.pg_dsn, redis_url=self.stack.redis_url,
+            workdir=self.workdir, namespace=f"chaos_{uuid.uuid4().hex[:8]}", partitions=self.s.partitions,
+            scenarios=[scenarios], sink_delay_ms={"kv": self.s.sink_delay_ms, "smtp": self.s.sink_delay_ms},
+            extra_env={"run-api": {"TETHER_RUN_API_SUBMIT_RATE_PER_S": huge, "TETHER_RUN_API_SUBMIT_BURST": huge}},
+        ))
+        self.system.start()
+        for name in ("budget", "planner", "tool-gateway"):
+            for slot in range(1, self.s.instances):
+                self.system.start_instance(name, slot)
+        self.observer = LogObserver(self.stack.kafka_bootstrap, self.system.names.topics.run_events,
+                                    self.s.partitions).start()
+        self.tenants = make_tenants(self.system, self.s.tenants)
+        self.bot = ApproverBot({t.tenant_id: t for t in self.tenants}, threads=4).attach(self.observer)
+        self.driver = ClosedLoop(self.observer, self.tenants, [self.fast, self.slow], concurrency=self.s.concurrency,
+                                 submit_threads=8)
+
+    def services(self) -> list[str]:
+        return [name for name in self.system.processes if name.split("#")[0] in SERVICES]
+
+    # -- faults -----------------------------------------------------------------------------------
+    def _kill_and_restart(self, name: str) -> None:
+        with self._lock:
+            if name in self._down:
+                return
+            self._down.add(name)
+        start_ms = time.time() * 1000
+        try:
+            pid = self.system.processes[name].pid
+            self.system.kill(name)
+            self.note(fault="sigkill", target=name, pid=pid)
+        except ServiceFailed:
+            with self._lock:
+                self._down.discard(name)
+            return  # already dead: the supervisor restarts it
+
+        def later() -> None:
+            time.sleep(self.rng.uniform(self.s.restart_after_min_s, self.s.restart_after_max_s))
+            try:
+                self.system.restart(name)
+                self.note(fault="restarted", target=name, pid=self.system.processes[name].pid)
+            except Exception as exc:  # noqa: BLE001 - the supervisor tries again
+                self.note(fault="restart_failed", target=name, error=str(exc)[:300])
+            finally:
+                with self._lock:
+                    self.faults.append(Fault(name, start_ms, time.time() * 1000))
+                    self._down.discard(name)
+
+        thread = threading.Thread(target=later, daemon=True)
+        thread.start()
+        self._restarts.append(thread)
+
+    def _restart_stack(self, component: str) -> None:
+        start_ms = time.time() * 1000
+        self.note(fault=f"{component}_restart", phase="stopping")
+        try:
+            timings = self.control.restart(component, down_s=self.rng.uniform(1.0, 5.0))
+            self.note(fault=f"{component}_restart", phase="started", **timings)
+        finally:
+            with self._lock:
+                self.faults.append(Fault(component, start_ms, time.time() * 1000))
+
+    def _stack_schedule(self) -> list[tuple[float, str]]:
+        per = max(1, int(self.s.seconds // 240))
+        kafka = self.s.kafka_restarts or per
+        pg = self.s.postgres_restarts or per
+        plan = []
+        for count, comp, offset in ((kafka, "kafka", 0.3), (pg, "postgres", 0.6)):
+            for i in range(count):
+                slot = (i + offset) / count
+                plan.append((self.s.seconds * min(0.9, slot + self.rng.uniform(-0.05, 0.05)), comp))
+        return sorted(plan)
+
+    def _fault_loop(self, began: float) -> None:
+        plan = self._stack_schedule()
+        next_kill = time.monotonic() + self.rng.uniform(self.s.kill_every_min_s, self.s.kill_every_max_s)
+        while not self._stop_faults.is_set():
+            now = time.monotonic()
+            if plan and now - began >= plan[0][0]:
+                _, comp = plan.pop(0)
+                try:
+                    self._restart_stack(comp)
+                except BenchError as exc:
+                    self.note(fault=f"{comp}_restart", phase="failed", error=str(exc)[:300])
+                    raise
+                continue
+            if now >= next_kill:
+                candidates = [n for n in self.services() if n not in self._down]
+                if candidates:
+                    self._kill_and_restart(self.rng.choice(candidates))
+                next_kill = now + self.rng.uniform(self.s.kill_every_min_s, self.s.kill_every_max_s)
+            self._stop_faults.wait(0.2)
+
+    def _supervise(self) -> None:
+        """Restart services that exited on their own (as a Kubernetes controller would), and count them."""
+        while not self._stop_supervisor.is_set():
+            for name in self.services():
+                proc = self.system.processes[name]
+                with self._lock:
+                    ours = name in self._down
+                if ours or proc.running:
+                    continue
+                with self._lock:
+                    self._down.add(name)
+                self.service_exits.append({"component": name, "returncode": proc.returncode,
+                                           "t_ms": round(time.time() * 1000)})
+                self.note(event="service_exited", target=name, returncode=proc.returncode)
+                start_ms = time.time() * 1000
+                try:
+                    self.system.restart(name)
+                    self.note(event="service_restarted", target=name)
+                except Exception as exc:  # noqa: BLE001 - tried again next round
+                    self.note(event="service_restart_failed", target=name, error=str(exc)[:300])
+                finally:
+                    with self._lock:
+                        self.faults.append(Fault(name, start_ms, time.time() * 1000))
+                        self._down.discard(name)
+            self._stop_supervisor.wait(1.0)
+
+    # -- the run -----------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        began_wall = time.monotonic()
+        info: dict[str, Any] = {"seed": self.seed, "machine": machine(), "seconds": self.s.seconds}
+        self.start()
+        info["namespace"] = self.system.namespace
+        self._stop_supervisor = threading.Event()
+        supervisor = threading.Thread(target=self._supervise, daemon=True)
+        supervisor.start()
+        clients = threading.Thread(target=self.driver.run, args=(24 * 3600,), daemon=True)
+        clients.start()
+        began = time.monotonic()
+        sampler_stop = threading.Event()
+
+        def sample() -> None:
+            while not sampler_stop.wait(5):
+                self.load.sample()
+
+        threading.Thread(target=sample, daemon=True).start()
+        fault_error: BaseException | None = None
+        faults = threading.Thread(target=self._fault_loop, args=(began,), daemon=True)
+        faults.start()
+        faults.join(self.s.seconds)
+        self._stop_faults.set()
+        faults.join()
+        for thread in self._restarts:
+            thread.join(timeout=300)
+        self.note(event="faults_stopped", after_s=round(time.monotonic() - began, 1))
+        # Every service back and ready before the drain (the supervisor restarts the stragglers).
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not all(self.system.processes[n].healthy() for n in self.services()):
+            time.sleep(1)
+        self.driver.finish()
+        clients.join(timeout=120)
+        drain_began = time.monotonic()
+        left = self.driver.drain(self.s.drain_s)
+        info["drain_s"] = round(time.monotonic() - drain_began, 1)
+        info["in_flight_after_drain"] = len(left)
+        self._stop_supervisor.set()
+        supervisor.join(timeout=60)
+        self.driver.close()
+        self.bot.close()
+        self.observer.stop()
+        sampler_stop.set()
+        info["submit_errors"] = len(self.driver.submit_errors)
+        info["approvals_decided_by_bot"] = len(self.bot.decided)
+        info["bot_failures"] = self.bot.failures[:5]
+        info["service_exits"] = self.service_exits
+        info["sigkills"] = sum(1 for t in self.timeline if t.get("fault") == "sigkill")
+        info["kafka_restarts"] = sum(1 for t in self.timeline if t.get("fault") == "kafka_restart"
+                                     and t.get("phase") == "started")
+        info["postgres_restarts"] = sum(1 for t in self.timeline if t.get("fault") == "postgres_restart"
+                                        and t.get("phase") == "started")
+        info["load_during_run"] = self.load.summary()
+        self.system.stop()
+        report = self.check()
+        report["info"].update(info)
+        report["info"]["wall_s"] = round(time.monotonic() - began_wall, 1)
+        return report
+
+    def check(self) -> dict[str, Any]:
+        names = self.system.names
+        entries = read_log(self.stack.kafka_bootstrap, names.topics.run_events, self.s.partitions)
+        with psycopg.connect(self.stack.pg_dsn, autocommit=True) as conn:
+            rows = conn.execute(f'SELECT idem_key, attempt FROM "{names.gateway_schema}".tool_calls').fetchall()
+        evidence = Evidence(
+            submitted={run: sub.tenant_id for run, sub in self.driver.submitted.items()},
+            log=[env for _, _, env in entries],
+            kv_records=read_records(self.system.sink_record_path("kv")),
+            smtp_records=read_records(self.system.sink_record_path("smtp")),
+            model_requests=read_request_log(self.system.model_request_log),
+            ledger_attempts={key: attempt for key, attempt in rows},
+            faults=list(self.faults),
+        )
+        return check(evidence)
+
+    def finish(self, report: dict[str, Any]) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "report.json").write_text(json.dumps(report, indent=1))
+        (self.workdir / "timeline.json").write_text(json.dumps(self.timeline, indent=1))
+        if violated(report) or self.s.keep:
+            print(f"chaos: namespace {self.system.namespace} kept for inspection (logs in {self.workdir})",
+                  file=sys.stderr, flush=True)
+        else:
+            self.system.drop_data()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    chaos = Chaos(ChaosSettings(), StackSettings())
+    print(f"chaos: seed {chaos.seed}, {chaos.s.seconds:.0f}s of faults, workdir {chaos.workdir}", file=sys.stderr,
+          flush=True)
+    try:
+        report = chaos.run()
+    except BaseException:
+        system = getattr(chaos, "system", None)
+        if system is not None:
+            system.stop()
+        raise
+    chaos.finish(report)
+    print(f"chaos: details {json.dumps(report['details'])}", file=sys.stderr, flush=True)
+    print(f"chaos: info {json.dumps(report['info'])}", file=sys.stderr, flush=True)
+    summary = {k: v for k, v in report.items() if k not in ("details", "info")}
+    summary["wall_s"] = report["info"]["wall_s"]
+    print(json.dumps(summary), flush=True)
+    return 1 if violated(report) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

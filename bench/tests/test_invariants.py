@@ -1,0 +1,228 @@
+"""The chaos invariant checker on hand-built evidence: a clean run passes, and each kind of violation is counted."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+
+from tether_bench.invariants import Evidence, Fault, check, violated
+from tether_contracts.base import AvroRecord
+from tether_contracts.records import (
+    ApprovalDecided,
+    ApprovalOutcome,
+    ApprovalRequested,
+    Envelope,
+    ModelCallCompleted,
+    ModelRef,
+    Remaining,
+    RiskClass,
+    StepGranted,
+    ToolCall,
+    ToolCallBudgeted,
+    ToolCallCompleted,
+    ToolCallOutcomeUnknown,
+    ToolCallRequested,
+    Usage,
+)
+from tether_messaging.chain import GENESIS_HASH, seal
+from tether_messaging.envelopes import derived_id, make_envelope
+
+REMAINING = Remaining(steps=5, tokens=1000, cost_usd_micros=1000, wall_clock_ms=60_000)
+
+
+def idem(run: str, step: int, index: int) -> str:
+    return hashlib.sha256(f"{run}\x1f{step}\x1f{index}".encode()).hexdigest()
+
+
+class Log:
+    """Builds a sealed run event log event by event (seq, prev_hash, hash as budget would)."""
+
+    def __init__(self) -> None:
+        self.envelopes: list[Envelope] = []
+        self._seq: dict[str, int] = defaultdict(int)
+        self._last: dict[str, str] = defaultdict(lambda: GENESIS_HASH)
+        self.clock = 1_000
+
+    def add(self, run: str, payload: AvroRecord | str, *, producer: str = "budget") -> Envelope:
+        self.clock += 10
+        what = f"{type(payload).__name__}:{len(self.envelopes)}"
+        if isinstance(payload, str):  # an event the checker only looks at by type
+            env = Envelope(event_id=derived_id(run, what), tenant_id="t0", run_id=run, event_type=payload,
+                           schema_fingerprint="00" * 8, payload=b"", recorded_at_ms=self.clock, producer=producer)
+        else:
+            env = make_envelope(payload, run_id=run, tenant_id="t0", event_id=derived_id(run, what),
+                                producer=producer, recorded_at_ms=self.clock)
+        sealed = seal(env, self._seq[run] + 1, self._last[run])
+        self._seq[run] += 1
+        self._last[run] = sealed.hash or ""
+        self.envelopes.append(sealed)
+        return sealed
+
+    def step_with_tool(self, run: str, step: int, tool: str) -> str:
+        key = idem(run, step, 0)
+        self.add(run, StepGranted(step=step, remaining=REMAINING))
+        self.add(run, ModelCallCompleted(step=step, model=ModelRef(provider="openai", name="m"), usage=Usage(),
+                                         tool_call_count=1, finish_reason="tool_calls", latency_ms=1),
+                 producer="planner")
+        call = ToolCall(call_id=f"{step}.0", call_index=0, idem_key=key, tool_name=tool, args_json="{}",
+                        args_hash="h")
+        self.add(run, ToolCallRequested(step=step, call=call), producer="planner")
+        self.add(run, ToolCallBudgeted(step=step, call_id=f"{step}.0", idem_key=key, remaining=REMAINING))
+        return key
+
+    def approval(self, run: str, step: int, key: str, outcome: ApprovalOutcome) -> None:
+        approval_id = f"apr_{key[:8]}"
+        self.add(run, ApprovalRequested(approval_id=approval_id, step=step, call_id=f"{step}.0", idem_key=key,
+                                        tool_name="send_email", args_json="{}", args_hash="h",
+                                        risk_class=RiskClass.IRREVERSIBLE, reasons=["RISK_CLASS"], expires_at_ms=9,
+                                        policy_version="p", inputs_hash="i"), producer="tool-gateway")
+        self.add(run, ApprovalDecided(approval_id=approval_id, call_id=f"{step}.0", args_hash="h", outcome=outcome,
+                                      approver_id="a", decided_at_ms=self.clock), producer="approval")
+
+    def completed(self, run: str, step: int, key: str, tool: str) -> None:
+        self.add(run, ToolCallCompleted(step=step, call_id=f"{step}.0", idem_key=key, tool_name=tool,
+                                        result_json="{}", duration_ms=1), producer="tool-gateway")
+
+
+def clean_run(log: Log, run: str) -> tuple[str, str]:
+    """kv_put in step 1, an approved send_email in step 2, an answer in step 3."""
+    log.add(run, "tether.v1.RunAccepted")
+    put = log.step_with_tool(run, 1, "kv_put")
+    log.completed(run, 1, put, "kv_put")
+    mail = log.step_with_tool(run, 2, "send_email")
+    log.approval(run, 2, mail, ApprovalOutcome.APPROVED)
+    log.completed(run, 2, mail, "send_email")
+    log.add(run, StepGranted(step=3, remaining=REMAINING))
+    log.add(run, "tether.v1.RunCompleted", producer="planner")
+    return put, mail
+
+
+def model_answer(run: str, step: int, ts: float) -> dict:
+    return {"status": 200, "ts_ms": ts, "headers": {"x-tether-run": run, "x-tether-step": str(step),
+                                                    "x-tether-call": "0"}}
+
+
+def evidence_for_clean_runs(runs: list[str]) -> Evidence:
+    log = Log()
+    kv, smtp, models = [], [], []
+    for run in runs:
+        put, mail = clean_run(log, run)
+        kv.append({"op": "put", "idempotency_key": put, "applied": True, "ts_ms": 100})
+        smtp.append({"idempotency_key": mail, "ts_ms": 200})
+        models += [model_answer(run, s, 50 * s) for s in (1, 2, 3)]
+    return Evidence(submitted={r: "t0" for r in runs}, log=log.envelopes, kv_records=kv, smtp_records=smtp,
+                    model_requests=models)
+
+
+def test_clean_runs_violate_nothing() -> None:
+    report = check(evidence_for_clean_runs(["r1", "r2"]))
+    assert violated(report) == []
+    assert report["runs"] == 2
+    assert report["info"]["completed"] == 2
+
+
+def test_a_run_never_accepted_is_lost_and_one_never_ended_is_stuck_unless_a_human_owes_a_decision() -> None:
+    ev = evidence_for_clean_runs(["r1"])
+    log = Log()
+    log.envelopes = list(ev.log)
+    log.add("r2", "tether.v1.RunAccepted")
+    log.step_with_tool("r2", 1, "kv_put")  # budgeted, never finished
+    log.add("r3", "tether.v1.RunAccepted")
+    mail = log.step_with_tool("r3", 1, "send_email")
+    log.add("r3", ApprovalRequested(approval_id="apr_x", step=1, call_id="1.0", idem_key=mail, tool_name="send_email",
+                                    args_json="{}", args_hash="h", risk_class=RiskClass.IRREVERSIBLE,
+                                    reasons=["RISK_CLASS"], expires_at_ms=9, policy_version="p", inputs_hash="i"))
+    ev.log = log.envelopes
+    ev.submitted = {"r1": "t0", "r2": "t0", "r3": "t0", "r4": "t0"}
+    report = check(ev)
+    assert report["lost_runs"] == 1  # r4
+    assert report["stuck_runs"] == 1  # r2; r3 waits for a human
+    assert report["info"]["waiting_on_human"] == 1
+
+
+def test_an_effect_applied_twice_is_a_duplicate_and_an_email_sent_twice_is_also_silent() -> None:
+    ev = evidence_for_clean_runs(["r1"])
+    put = ev.kv_records[0]["idempotency_key"]
+    mail = ev.smtp_records[0]["idempotency_key"]
+    ev.kv_records = [*ev.kv_records, {"op": "put", "idempotency_key": put, "applied": True, "ts_ms": 150}]
+    ev.smtp_records = [*ev.smtp_records, {"idempotency_key": mail, "ts_ms": 250}]
+    report = check(ev)
+    assert report["duplicate_effects"] == 2
+    # The kv write ran twice with no fault between: silent; the email ran twice with no OutcomeUnknown: silent.
+    assert report["silent_reexecutions"] == 2
+
+
+def test_an_idempotent_rerun_across_a_gateway_crash_is_not_silent_and_a_deduplicated_attempt_is_no_duplicate() -> None:
+    ev = evidence_for_clean_runs(["r1"])
+    put = ev.kv_records[0]["idempotency_key"]
+    ev.kv_records = [*ev.kv_records, {"op": "put", "idempotency_key": put, "applied": False, "duplicate": True,
+                                      "ts_ms": 180}]
+    ev.faults = [Fault("tool-gateway#1", 120, 170)]
+    report = check(ev)
+    assert violated(report) == []
+    ev.faults = [Fault("planner", 120, 170)]  # a planner crash does not explain a second tool execution
+    assert check(ev)["silent_reexecutions"] == 1
+
+
+def test_more_sink_attempts_than_the_ledger_granted_are_silent() -> None:
+    ev = evidence_for_clean_runs(["r1"])
+    put = ev.kv_records[0]["idempotency_key"]
+    ev.kv_records = [*ev.kv_records, {"op": "put", "idempotency_key": put, "applied": False, "ts_ms": 180}]
+    ev.faults = [Fault("tool-gateway", 120, 170)]
+    ev.ledger_attempts = {put: 1}
+    assert check(ev)["silent_reexecutions"] == 1
+
+
+def test_an_effect_no_budgeted_call_names_is_silent_and_an_unapproved_email_is_counted() -> None:
+    ev = evidence_for_clean_runs(["r1"])
+    ev.kv_records = [*ev.kv_records, {"op": "put", "idempotency_key": "f" * 64, "applied": True, "ts_ms": 1}]
+    log = Log()
+    log.add("r9", "tether.v1.RunAccepted")
+    mail = log.step_with_tool("r9", 1, "send_email")
+    log.completed("r9", 1, mail, "send_email")
+    log.add("r9", "tether.v1.RunTerminated")
+    ev.log = [*ev.log, *log.envelopes]
+    ev.submitted = {**ev.submitted, "r9": "t0"}
+    ev.smtp_records = [*ev.smtp_records, {"idempotency_key": mail, "ts_ms": 5}]
+    report = check(ev)
+    assert report["silent_reexecutions"] == 1
+    assert report["unapproved_effects"] == 1
+
+
+def test_a_broken_chain_is_counted() -> None:
+    ev = evidence_for_clean_runs(["r1"])
+    log = list(ev.log)
+    del log[3]  # a gap
+    ev.log = log
+    assert check(ev)["seq_gaps"] >= 1
+
+
+def test_a_model_call_repeated_without_a_crash_or_after_its_step_was_logged_is_a_duplicate() -> None:
+    ev = evidence_for_clean_runs(["r1"])
+    models = list(ev.model_requests)
+    # step 1 answered again at 60 (its ModelCallCompleted is recorded at ~1020 in this log: not yet logged).
+    models.append(model_answer("r1", 1, 60))
+    ev.model_requests = models
+    assert check(ev)["duplicate_model_calls"] == 1
+    ev.faults = [Fault("planner#1", 52, 58)]
+    report = check(ev)
+    assert report["duplicate_model_calls"] == 0
+    assert report["info"]["model_calls_redone_after_a_crash"] == 1
+    # Asked again after the step's ModelCallCompleted was in the log: a duplicate whatever crashed.
+    models.append(model_answer("r1", 2, 5_000))
+    ev.faults = [Fault("planner#1", 52, 58), Fault("planner", 100, 4_999)]
+    assert check(ev)["duplicate_model_calls"] == 1
+
+
+def test_two_outcomes_for_one_call_are_counted() -> None:
+    ev = evidence_for_clean_runs(["r1"])
+    log = Log()
+    log.add("r2", "tether.v1.RunAccepted")
+    key = log.step_with_tool("r2", 1, "kv_get")
+    log.completed("r2", 1, key, "kv_get")
+    log.add("r2", ToolCallOutcomeUnknown(step=1, call_id="1.0", idem_key=key, tool_name="kv_get", detail="x"))
+    log.completed("r2", 1, key, "kv_get")
+    log.add("r2", "tether.v1.RunCompleted")
+    ev.log = [*ev.log, *log.envelopes]
+    ev.submitted = {**ev.submitted, "r2": "t0"}
+    assert check(ev)["duplicate_outcomes"] == 1
