@@ -403,3 +403,31 @@ def test_usage_sums_model_calls_until_a_recorded_total_arrives() -> None:
     log.model_failed(2)
     fold, _ = fold_log(log.events)
     assert (fold.input_tokens, fold.output_tokens, fold.cost_usd_micros) == (17, 1, 5)
+
+
+def test_rows_do_not_depend_on_how_the_fold_was_stored() -> None:
+    """The fold comes back from jsonb with its keys reordered; the rows must not change."""
+    log = RunLog("run-15")
+    log.accepted()
+    log.step(1)
+    log.model(1, 12)
+    for i in range(12):
+        log.request(1, i)
+        log.budgeted(1, i)
+    for i in reversed(range(12)):
+        log.tool_completed(1, i)
+    log.step(2)
+    log.model(2, 0)
+    log.completed(2, "done", Usage(input_tokens=1))
+    *head, last = log.events
+    fold, _ = fold_log(head)
+    stored = fold.model_dump(mode="json")
+    # jsonb orders object keys by length, then bytewise: "10" comes after "9".
+    reordered = RunFold.model_validate({**stored, "calls": dict(sorted(stored["calls"].items(), reverse=True))})
+    assert list(reordered.calls) != list(fold.calls)
+    a = project(fold, last, open_payload(last))
+    b = project(reordered, last, open_payload(last))
+    assert a.fold.termination == b.fold.termination
+    assert a.fold.termination["tool_calls_done"][:3] == ["1.0 search COMPLETED", "1.1 search COMPLETED",
+                                                         "1.2 search COMPLETED"]
+    assert [w for w in a.writes if w.table != "runs"] == [w for w in b.writes if w.table != "runs"]

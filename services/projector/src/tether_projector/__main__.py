@@ -41,23 +41,28 @@ def run(settings: ProjectorSettings) -> int:
 
 def rebuild(settings: ProjectorSettings, schema: str | None, with_redis: bool, batch: int | None) -> int:
     """Replay the log from offset 0 into a fresh read model; prints the report as JSON."""
-    from tether_projector.rebuild import RebuildFailed
+    from tether_projector.ports import ReadModelUnavailable
+    from tether_projector.rebuild import SCHEMA_NAME, RebuildFailed
     from tether_projector.rebuild import rebuild as replay
     from tether_runtime import logging as runtime_logging
 
+    target = schema or settings.read_model_schema
+    if not SCHEMA_NAME.match(target):
+        print(f"rebuild failed: schema name {target!r} must match {SCHEMA_NAME.pattern}", file=sys.stderr)
+        return 2
     runtime_logging.configure("projector", settings.log_level, instance="rebuild")
     try:
         report = replay(
             bootstrap=settings.kafka_bootstrap,
             topic=settings.input_topic(),
             dsn=settings.pg_dsn,
-            target_schema=schema or settings.read_model_schema,
+            target_schema=target,
             group_id=f"{settings.topics().group_id('projector')}.rebuild",
             metrics=ProjectorMetrics(),
             live=build_live(settings) if with_redis else None,
             batch_size=batch or settings.rebuild_batch,
         )
-    except RebuildFailed as exc:
+    except (RebuildFailed, ReadModelUnavailable) as exc:
         print(f"rebuild failed: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(report.__dict__, sort_keys=True))

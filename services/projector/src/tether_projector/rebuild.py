@@ -8,6 +8,7 @@ target schema in one transaction, so readers switch from the old tables to the n
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,9 @@ from tether_projector.metrics import ProjectorMetrics
 from tether_projector.ports import LiveState, LogEvent
 
 log = structlog.get_logger("tether_projector.rebuild")
+
+#: Lowercase, short enough that "<name>__rebuild" fits PostgreSQL's 63-character identifiers.
+SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,50}$")
 
 
 class RebuildFailed(Exception):
@@ -59,6 +63,8 @@ def rebuild(
     new schema and point readers at it). `live` also republishes Redis state (off by default:
     the live projector owns it, and its writes are idempotent anyway).
     """
+    if not SCHEMA_NAME.match(target_schema):
+        raise RebuildFailed(f"schema name {target_schema!r} must match {SCHEMA_NAME.pattern}")
     started = time.monotonic()
     staging = PostgresReadModel(dsn, f"{target_schema}__rebuild", lock_runs=False)
     staging.drop_schema()
@@ -113,10 +119,10 @@ def rebuild(
                 duplicates += result.duplicates
                 unsealed += len(result.rejected)
                 problems += len(result.chain_problems)
+        staging.replace(target_schema)
     finally:
         consumer.close()
-    staging.replace(target_schema)
-    staging.close()
+        staging.close()
     report = RebuildReport(
         schema=target_schema,
         records=records,

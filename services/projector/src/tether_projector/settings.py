@@ -21,7 +21,9 @@ class ProjectorSettings(ServiceSettings):
         "", description="The run event log to project; empty = the run-events topic under TETHER_TOPIC_PREFIX."
     )
     read_model_schema: str = Field(
-        "read_model", pattern=r"^[a-z_][a-z0-9_]{0,50}$", description="PostgreSQL schema of the read model."
+        "read_model",
+        pattern=r"^[a-z_][a-z0-9_]{0,50}$",
+        description="PostgreSQL schema of the read model (a rebuild stages it in '<schema>__rebuild').",
     )
     redis_key_prefix: str = Field("", description="Prepended to every Redis key (isolates tests).")
     stream_maxlen: int = Field(10_000, ge=100, description="Approximate cap on entries in a run's live stream.")
