@@ -144,7 +144,7 @@ class LoopConfig:
             batch_max_ms=settings.batch_max_ms,
             batch_max_messages=settings.batch_max_messages,
             work_threads=settings.work_threads,
-            tenant_weights=dict(getattr(settings, "tenant_weights", {}) or {}),
+            tenant_weights=dict(settings.tenant_weights),
             session_timeout_ms=settings.session_timeout_ms,
         )
         values.update(overrides)
@@ -662,7 +662,7 @@ class ProcessorLoop:
             self._next_tick = time.monotonic() + self.config.tick_interval_ms / 1000
         # Committed: only now may the decided work start (in fair order across tenants).
         for w in batch.starts:
-            self._pool.put("fifo", w)
+            self._pool.put(w.tenant_id, w)
         WORK_IN_FLIGHT.labels(self._name).set(len(self._work))
         WORK_WAITING.labels(self._name).set(len(self._pool))
         BATCHES.labels(self._name, "committed").inc()

@@ -45,6 +45,10 @@ class ServiceSettings(BaseSettings):
     batch_max_ms: int = Field(100, ge=1, description="Longest a loop batch collects input before it commits.")
     batch_max_messages: int = Field(500, ge=1, description="Most input records per loop batch/transaction.")
     work_threads: int = Field(8, ge=1, description="Threads running slow work (model calls, tool executions).")
+    tenant_weights: dict[str, int] = Field(
+        default_factory=dict,
+        description='Share of the worker pool per tenant while several wait (JSON, e.g. {"big-co": 3}); others get 1.',
+    )
     session_timeout_ms: int = Field(
         10_000, ge=6_000, description="Consumer group session timeout: how soon a dead instance's partitions move."
     )
