@@ -155,6 +155,27 @@ def test_oversized_requests_are_refused_at_both_limits(harness: Harness) -> None
     assert harness.services.publisher.published == []
 
 
+def test_bytes_that_are_no_request_message_are_malformed_not_internal(harness: Harness) -> None:
+    garbage = b"\xff\xff\xff\xff\x0f not a protobuf"
+    submit = harness.channel.unary_unary("/tether.v1.RunService/SubmitRun")
+    with pytest.raises(grpc.RpcError) as err:
+        submit(garbage, metadata=auth(MEMBER_KEY))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    info, _ = error_info(err.value)
+    assert info.reason == "MALFORMED_REQUEST" and info.domain == "tether.dev"
+    assert info.metadata["method"] == "/tether.v1.RunService/SubmitRun"
+    assert info.metadata["size_bytes"] == str(len(garbage))
+    # Authentication still comes first; a server-streaming method is guarded the same way.
+    with pytest.raises(grpc.RpcError) as err:
+        submit(garbage, metadata=auth("tk_nobody_" + "d" * 30))
+    assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    stream = harness.channel.unary_stream("/tether.v1.RunService/StreamRunEvents")
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream(garbage, metadata=auth(MEMBER_KEY)))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and reason_of(err.value) == "MALFORMED_REQUEST"
+    assert harness.services.publisher.published == []
+
+
 def test_goal_cap_is_a_field_violation(harness: Harness) -> None:
     harness.agents.CreateAgent(agents_pb.CreateAgentRequest(agent=agent()), metadata=auth(ADMIN_KEY))
     with pytest.raises(grpc.RpcError) as err:

@@ -19,7 +19,15 @@ from tether_api.v1 import (
     tool_service_pb2,
     tool_service_pb2_grpc,
 )
-from tether_run_api.api.servicers import AgentService, ApprovalService, Gate, RunService, Services, ToolService
+from tether_run_api.api.servicers import (
+    AgentService,
+    ApprovalService,
+    Gate,
+    RunService,
+    Services,
+    ToolService,
+    UndecodableRequest,
+)
 
 SERVICE_NAMES = (
     agent_service_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
@@ -27,6 +35,28 @@ SERVICE_NAMES = (
     run_service_pb2.DESCRIPTOR.services_by_name["RunService"].full_name,
     approval_service_pb2.DESCRIPTOR.services_by_name["ApprovalService"].full_name,
 )
+
+
+class DecodeGuard(grpc.ServerInterceptor):
+    """Bytes that are not the method's request message reach the servicer as an UndecodableRequest,
+    which it refuses as INVALID_ARGUMENT / MALFORMED_REQUEST; gRPC alone would answer a bare
+    INTERNAL ("Exception deserializing request!") without a machine-readable reason."""
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or handler.request_streaming or handler.request_deserializer is None \
+                or not method.startswith("/tether.v1."):
+            return handler
+        decode = handler.request_deserializer
+
+        def guarded(data: bytes) -> object:
+            try:
+                return decode(data)
+            except Exception:  # protobuf's DecodeError, or any other parse failure of untrusted bytes
+                return UndecodableRequest(method, len(data))
+
+        return handler._replace(request_deserializer=guarded)
 
 
 @dataclass
@@ -55,6 +85,7 @@ def start_server(
     """Build, bind and start the server; port 0 binds an ephemeral port (see RunningServer.port)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
+        interceptors=[DecodeGuard()],
         options=[
             ("grpc.max_receive_message_length", max_receive_message_bytes),
             ("grpc.max_send_message_length", max_send_message_bytes),

@@ -31,7 +31,7 @@ from tether_run_api.api.status import internal_status, rich_status
 from tether_run_api.domain.admission import SubmitRateLimiter
 from tether_run_api.domain.auth import Principal, api_key_from_metadata, hash_api_key
 from tether_run_api.domain.catalog import CatalogLimits
-from tether_run_api.domain.errors import ApiError, RequestTooLarge, TooManyStreams, Unauthenticated
+from tether_run_api.domain.errors import ApiError, MalformedRequest, RequestTooLarge, TooManyStreams, Unauthenticated
 from tether_run_api.domain.runs import RunLimits, SubmitRequest, new_run_id
 from tether_run_api.ports import ApiKeys, Catalog, CommandPublisher, LiveEvents, ReadModel, SubmitLedger
 
@@ -67,8 +67,20 @@ class Services:
         return new_run_id(now_ms, os.urandom(10))
 
 
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """Stands for a request whose bytes did not parse (see server.DecodeGuard), so that the servicer
+    refuses it like any bad request, after authentication, as MALFORMED_REQUEST."""
+
+    method: str
+    size_bytes: int
+
+    def ByteSize(self) -> int:  # noqa: N802 (the protobuf message method the size check calls)
+        return self.size_bytes
+
+
 class Gate:
-    """Authentication (with a short cache of key lookups) and the per-request size check."""
+    """Authentication (with a short cache of key lookups) and the per-request size and shape check."""
 
     _MAX_CACHED = 10_000
 
@@ -96,6 +108,8 @@ class Gate:
         return principal
 
     def check_size(self, request: Any) -> None:
+        if isinstance(request, UndecodableRequest):
+            raise MalformedRequest(request.method, request.size_bytes)
         size = request.ByteSize()
         if size > self.services.max_request_bytes:
             raise RequestTooLarge(size, self.services.max_request_bytes)

@@ -87,6 +87,17 @@ class InvalidPageToken(InvalidArgument):
         super().__init__(FieldViolation("page_token", "not a page token issued for this listing"))
 
 
+class MalformedRequest(ApiError):
+    """The request's bytes are not the method's protobuf message; retrying them unchanged cannot succeed."""
+
+    category = Category.INVALID_ARGUMENT
+    reason = "MALFORMED_REQUEST"
+
+    def __init__(self, method: str, size_bytes: int) -> None:
+        super().__init__(f"the request to {method} is not a valid protobuf message of its type",
+                         method=method, size_bytes=size_bytes)
+
+
 class RequestTooLarge(ApiError):
     """The request is larger than the server accepts; retrying it unchanged cannot succeed."""
 
