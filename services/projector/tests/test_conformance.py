@@ -180,7 +180,7 @@ LIVE_TTL = 86_400
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration)])
 def live(request: pytest.FixtureRequest) -> tuple[LiveState, LiveView]:
     if request.param == "memory":
-        fake = InMemoryLiveState()
+        fake = InMemoryLiveState(live_ttl_s=LIVE_TTL)
         return fake, FakeView(fake)
     client: redis.Redis = request.getfixturevalue("redis_client")
     prefix: str = request.getfixturevalue("redis_prefix")
@@ -188,11 +188,12 @@ def live(request: pytest.FixtureRequest) -> tuple[LiveState, LiveView]:
     return adapter, RedisView(client, prefix)
 
 
-def update(seq: int, *, hot_seq: int | None = None, ended: bool = False, run_id: str = "r1") -> LiveUpdate:
+def update(seq: int, *, hot_seq: int | None = None, ended: bool = False, run_id: str = "r1",
+           created_at_ms: int = 1000) -> LiveUpdate:
     hot_seq = seq if hot_seq is None else hot_seq
     return LiveUpdate(run_id=run_id, tenant_id="t1", seq=seq, entry={"seq": str(seq), "event_type": "x"},
                       hot={"last_seq": str(hot_seq), "status": "ENDED" if ended else "RUNNING"}, hot_seq=hot_seq,
-                      created_at_ms=1000, ended=ended)
+                      created_at_ms=created_at_ms, ended=ended)
 
 
 def test_stream_entries_are_added_once_in_seq_order(live: tuple[LiveState, LiveView]) -> None:
@@ -223,3 +224,12 @@ def test_an_ended_run_leaves_the_tenant_index_and_expires(live: tuple[LiveState,
     assert view.active("t1") == {"r2": 1000.0}
     assert view.ended_ttl("r1")
     assert view.hot("r1")["status"] == "ENDED"
+
+
+def test_runs_that_never_ended_leave_the_index_after_the_live_ttl(live: tuple[LiveState, LiveView]) -> None:
+    state, view = live
+    state.publish([update(1, run_id="old")])
+    state.publish([update(1, run_id="recent", created_at_ms=1000 + LIVE_TTL * 1000)])
+    assert view.active("t1") == {"old": 1000.0, "recent": 1000.0 + LIVE_TTL * 1000}
+    state.publish([update(1, run_id="new", created_at_ms=1001 + LIVE_TTL * 1000)])
+    assert sorted(view.active("t1")) == ["new", "recent"]

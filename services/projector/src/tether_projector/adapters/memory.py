@@ -73,6 +73,7 @@ class InMemoryLiveState:
     active: dict[str, dict[str, int]] = field(default_factory=dict)
     ttl: dict[str, str] = field(default_factory=dict)
     unavailable: bool = False
+    live_ttl_s: int = 30 * 24 * 3600
 
     def publish(self, updates: Sequence[LiveUpdate]) -> None:
         if self.unavailable:
@@ -91,4 +92,7 @@ class InMemoryLiveState:
                 self.ttl[u.run_id] = "ended"
             else:
                 index[u.run_id] = u.created_at_ms
+                for run_id, created in list(index.items()):
+                    if created < u.created_at_ms - self.live_ttl_s * 1000:
+                        del index[run_id]
                 self.ttl[u.run_id] = "live"

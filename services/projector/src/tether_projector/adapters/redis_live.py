@@ -4,6 +4,8 @@ Keys (the contract with run-api; `prefix` is TETHER_PROJECTOR_REDIS_KEY_PREFIX, 
   {prefix}tether:run:{run_id}                      hash: the run's hot state
   {prefix}tether:run:{run_id}:events               stream: one entry per log event, id "{seq}-0"
   {prefix}tether:tenant:{tenant_id}:active-runs    sorted set: live run ids scored by created_at_ms
+                                                   (runs created more than the live TTL before the
+                                                   newest are dropped; the key lives as long as that TTL)
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ if ended then
   redis.call('ZREM', index_key, run_id)
 else
   redis.call('ZADD', index_key, created, run_id)
+  -- Runs that went quiet without an ending (their keys expired) leave the index too.
+  redis.call('ZREMRANGEBYSCORE', index_key, '-inf', '(' .. (tonumber(created) - ttl * 1000))
+  redis.call('EXPIRE', index_key, ttl)
 end
 redis.call('EXPIRE', hot_key, ttl)
 redis.call('EXPIRE', stream_key, ttl)
