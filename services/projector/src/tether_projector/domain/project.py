@@ -22,6 +22,7 @@ from tether_contracts.records import (
     ModelCallFailed,
     RunAccepted,
     RunCompleted,
+    RunQueued,
     RunRejected,
     RunTerminated,
     StepGranted,
@@ -127,6 +128,8 @@ def derive_status(fold: RunFold) -> str:
     """The run's status from its fold: an ended run stays ended; a human wait shows over running."""
     if fold.ended:
         return fold.status
+    if fold.queued:
+        return RunStatus.QUEUED
     if any(c.status == CallStatus.OUTCOME_UNKNOWN for c in fold.calls.values()):
         return RunStatus.OUTCOME_UNKNOWN
     if fold.pending_approvals:
@@ -284,7 +287,21 @@ def _end(fold: RunFold, env: Envelope, status: str, reason_code: str, terminatio
 
 
 # -- handlers (payload, envelope, fold to update) → rows --------------------------------------
+def on_run_queued(p: RunQueued, env: Envelope, fold: RunFold) -> list[Upsert]:
+    fold.queued = True
+    fold.principal_id = p.principal_id
+    fold.request_id = p.request_id
+    fold.goal = p.goal
+    fold.agent_id = p.agent.agent_id
+    fold.agent_version = p.agent.version
+    fold.agent_name = p.agent.name
+    fold.model_provider = p.agent.model.provider
+    fold.model_name = p.agent.model.name
+    return []
+
+
 def on_run_accepted(p: RunAccepted, env: Envelope, fold: RunFold) -> list[Upsert]:
+    fold.queued = False
     fold.principal_id = p.principal_id
     fold.request_id = p.request_id
     fold.goal = p.goal
@@ -558,6 +575,7 @@ def on_approval_decided(p: ApprovalDecided, env: Envelope, fold: RunFold) -> lis
 Handler = Callable[[Any, Envelope, RunFold], list[Upsert]]
 
 HANDLERS: dict[type[AvroRecord], Handler] = {
+    RunQueued: on_run_queued,
     RunAccepted: on_run_accepted,
     RunRejected: on_run_rejected,
     StepGranted: on_step_granted,

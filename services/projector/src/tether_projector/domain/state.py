@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 class RunStatus:
     """Values of runs.status."""
 
+    QUEUED = "QUEUED"  # waiting in its tenant's queue for a concurrency slot (RunQueued)
     ACCEPTED = "ACCEPTED"  # admitted, no step granted yet
     RUNNING = "RUNNING"
     WAITING_APPROVAL = "WAITING_APPROVAL"  # a tool call waits for a human decision
@@ -81,6 +82,8 @@ class RunFold(BaseModel):
     model_provider: str | None = None
     model_name: str | None = None
     caps: dict[str, Any] | None = None
+    #: RunQueued seen and no RunAccepted yet: the run waits for a slot of its tenant.
+    queued: bool = False
     deadline_ms: int | None = None
     answer: str | None = None
     reason_code: str | None = None
