@@ -1,0 +1,396 @@
+"""`tether audit verify`: re-derive every run's chain, budget, gateway and approval decisions from the log.
+
+Pure over a list of sequenced envelopes (`verify_log`); `read_run_log` reads them from Kafka
+(read_committed, every partition from offset 0). The budget's decisions are replayed with its
+own domain (`tether_budget.domain.decisions`), fed the run's recorded inputs in sequence order
+at the time the budget recorded its decisions; the gateway's with `GatewayAudit`; approval
+decisions against the pending request they decide. What the log alone cannot show is said so
+(`Finding.check == "note"`), not reported as a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tether_approval.domain.decisions import SYSTEM_APPROVER, ApprovalPolicy
+from tether_budget.domain.decisions import AdmissionPolicy, Decide, Plan, Retention, admit, cancel, fold, tick
+from tether_budget.domain.errors import ProtocolViolation
+from tether_budget.domain.ledger import Ledger, Reason
+from tether_budget.domain.loopguard import LoopGuard
+from tether_contracts.base import AvroRecord
+from tether_contracts.records import (
+    ApprovalDecided,
+    ApprovalOutcome,
+    ApprovalRequested,
+    CancelRun,
+    Envelope,
+    RunAccepted,
+    RunQueued,
+    RunRejected,
+    RunTerminated,
+    StepDeferred,
+    SubmitRun,
+)
+from tether_messaging.chain import verify_chain
+from tether_messaging.envelopes import derived_id
+from tether_messaging.serde import SerdeError, open_payload
+from tether_tool_gateway.audit import GatewayAudit
+from tether_tool_gateway.domain.policy import BasicPolicy, Policy, TrustPolicy
+from tether_tool_gateway.domain.policy_document import LoadedPolicy, default_policy
+
+BUDGET = "budget"
+_CANCELLED = re.compile(r"^cancelled by (?P<who>\S+) \((?:the submitter|a member of the tenant)\)(?:: (?P<why>.*))?$",
+                        re.DOTALL)
+_TENANT_DECISIONS = (RunQueued, StepDeferred)
+
+
+class LogReadError(Exception):
+    """The run event log could not be read to its end (broker unreachable, a record that does not decode)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing the audit found: a mismatch (`check` chain/budget/gateway/approval/log) or a note."""
+
+    check: str
+    run_id: str
+    seq: int | None
+    event_type: str
+    problem: str
+
+
+@dataclass
+class AuditReport:
+    """What `verify_log` found over the whole log."""
+
+    runs: int = 0
+    events: int = 0
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def mismatches(self) -> list[Finding]:
+        return [f for f in self.findings if f.check != "note"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "runs": self.runs, "events": self.events,
+                "mismatches": [asdict(f) for f in self.mismatches],
+                "notes": [asdict(f) for f in self.findings if f.check == "note"]}
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """The deployment's rules the decisions were made under (the services' defaults unless told)."""
+
+    gateway_policies: tuple[LoadedPolicy, ...] = ()
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    guard: LoopGuard = field(default_factory=LoopGuard)
+    retention: Retention = field(default_factory=Retention)
+    approval: ApprovalPolicy = field(default_factory=ApprovalPolicy)
+
+    def policies(self) -> tuple[dict[str, Policy], str]:
+        """Gateway policies by version, and the version allowed calls (no decision event) are checked under."""
+        loaded = self.gateway_policies or (default_policy(),)
+        policies: dict[str, Policy] = {"basic/1": BasicPolicy()}
+        for doc in loaded:
+            policies[doc.policy_version] = TrustPolicy(doc)
+        return policies, loaded[-1].policy_version
+
+
+Event = tuple[Envelope, AvroRecord]
+
+
+def verify_log(envelopes: Iterable[Envelope], config: AuditConfig | None = None, *,
+               run_ids: set[str] | None = None) -> AuditReport:
+    """Check every run in the log (or only `run_ids`): chain, budget, gateway and approval decisions."""
+    config = config or AuditConfig()
+    report = AuditReport()
+    by_run: dict[str, list[Envelope]] = defaultdict(list)
+    for env in envelopes:
+        if run_ids is None or env.run_id in run_ids:
+            by_run[env.run_id].append(env)
+    policies, allow_version = config.policies()
+    for run_id, envs in by_run.items():
+        report.runs += 1
+        report.events += len(envs)
+        for p in verify_chain(envs):
+            report.findings.append(Finding("chain", run_id, p.seq, p.kind.value, p.detail))
+        events: list[Event] = []
+        for env in sorted(envs, key=lambda e: e.seq or 0):
+            try:
+                events.append((env, open_payload(env)))
+            except SerdeError as err:
+                report.findings.append(Finding("log", run_id, env.seq, env.event_type, f"payload does not decode: {err}"))
+        report.findings.extend(BudgetReplay(run_id, config).check(events))
+        for m in GatewayAudit(policies, allow_version=allow_version).check(events):
+            report.findings.append(Finding("gateway", m.run_id, m.seq, m.event_type, f"{m.call_id}: {m.problem}"))
+        report.findings.extend(check_approvals(run_id, events, config.approval))
+    return report
+
+
+# -- budget ------------------------------------------------------------------------------------------
+
+
+def _comparable(payload: AvroRecord, *, approximate_clock: bool) -> Any:
+    data = payload.to_avro()
+    if approximate_clock:
+        _drop_clock(data)
+    return data
+
+
+def _drop_clock(data: Any) -> None:
+    # How long a run waited for humans depends on when the budget read the approval records,
+    # which the log does not record; what follows from it is left out of the comparison.
+    if isinstance(data, dict):
+        for key in ("wall_clock_ms", "detail"):
+            if key in data and (key == "wall_clock_ms" or "waiting for humans" in str(data[key])):
+                data[key] = None
+        for value in data.values():
+            _drop_clock(value)
+    elif isinstance(data, list):
+        for value in data:
+            _drop_clock(value)
+
+
+@dataclass
+class BudgetReplay:
+    """Replays the budget's domain over one run's recorded inputs and compares its decisions."""
+
+    run_id: str
+    config: AuditConfig
+    findings: list[Finding] = field(default_factory=list)
+    ledger: Ledger | None = None
+    waited: bool = False
+
+    def check(self, events: list[Event]) -> list[Finding]:
+        i = 0
+        while i < len(events):
+            env, payload = events[i]
+            if isinstance(payload, _TENANT_DECISIONS):
+                self._note(env, "tenant-ledger decisions (queue, token rate) are not re-derived; "
+                                "the run's budget decisions are not checked")
+                return self.findings
+            if env.producer == BUDGET:
+                i = self._unprompted(events, i)
+            else:
+                i = self._input(events, i)
+        return self.findings
+
+    def _finding(self, env: Envelope, problem: str) -> None:
+        self.findings.append(Finding("budget", self.run_id, env.seq, env.event_type, problem))
+
+    def _note(self, env: Envelope, problem: str) -> None:
+        self.findings.append(Finding("note", self.run_id, env.seq, env.event_type, problem))
+
+    def _input(self, events: list[Event], i: int) -> int:
+        """An intake record: the budget appended it; the decisions it triggers follow it at once."""
+        env, payload = events[i]
+        if self.ledger is None:
+            self._finding(env, "an input before the run was accepted")
+            return i + 1
+        nxt = events[i + 1][0] if i + 1 < len(events) else None
+        now_ms = nxt.recorded_at_ms if nxt is not None and nxt.producer == BUDGET else env.recorded_at_ms
+        before = self.ledger.model_copy(deep=True)
+        try:
+            plan = fold(self.ledger, payload, event_id=env.event_id, tenant_id=env.tenant_id,
+                        guard=self.config.guard, now_ms=now_ms)
+        except ProtocolViolation as err:
+            self.ledger = before
+            self._finding(env, f"appended although the budget refuses it: {err}")
+            return i + 1
+        if self.ledger.waiting_since_ms is not None or self.ledger.human_wait_ms:
+            self.waited = True
+        if not plan.entries:
+            self._finding(env, f"appended although the budget drops it ({plan.dropped})")
+            return i + 1
+        return self._compare(events, i + 1, plan)
+
+    def _unprompted(self, events: list[Event], i: int) -> int:
+        """A budget decision no appended input precedes: admission, cancel or the wall-clock timer."""
+        env, payload = events[i]
+        if isinstance(payload, RunAccepted) and self.ledger is None:
+            submit = SubmitRun(request_id=payload.request_id, principal_id=payload.principal_id, goal=payload.goal,
+                               agent=payload.agent, tools=payload.tools, caps=payload.caps,
+                               tenant_grants=payload.tenant_grants, delegated_scope=payload.delegated_scope)
+            self.ledger, plan = admit(submit, run_id=self.run_id, tenant_id=env.tenant_id, partition=0,
+                                      event_id=env.event_id, now_ms=env.recorded_at_ms, policy=self.config.admission)
+            return self._compare(events, i, plan)
+        if isinstance(payload, RunRejected) and self.ledger is None:
+            self._note(env, "the rejected submit is not in the run log; its admission is not re-derived")
+            return i + 1
+        if self.ledger is None:
+            self._finding(env, "a budget decision before the run was accepted")
+            return i + 1
+        if isinstance(payload, RunTerminated) and payload.reason_code == Reason.CANCELLED:
+            match = _CANCELLED.match(payload.report.detail)
+            if match is None:
+                self._finding(env, f"CANCELLED with a detail no cancel produces: {payload.report.detail!r}")
+                return i + 1
+            command = CancelRun(principal_id=match["who"], reason=match["why"] or "")
+            plan = cancel(self.ledger, command, tenant_id=env.tenant_id, now_ms=env.recorded_at_ms)
+            return self._compare(events, i, plan)
+        if isinstance(payload, RunTerminated) and payload.reason_code == Reason.WALL_CLOCK_CAP:
+            result = tick(self.ledger, now_ms=env.recorded_at_ms, retention=self.config.retention)
+            if not result.plan.entries and self.waited:
+                self._note(env, "wall-clock stop after waiting for humans: the deadline is not re-derived exactly")
+                return i + 1
+            return self._compare(events, i, result.plan)
+        self._finding(env, f"a budget decision ({env.event_type}) that follows from no recorded input")
+        return i + 1
+
+    def _compare(self, events: list[Event], i: int, plan: Plan) -> int:
+        """Match the plan's decisions with the budget events from index i; returns the next index."""
+        for entry in plan.entries:
+            if not isinstance(entry, Decide):
+                continue
+            want = entry.payload
+            if i >= len(events) or events[i][0].producer != BUDGET:
+                where = events[i][0] if i < len(events) else events[-1][0]
+                self._finding(where, f"the inputs give {want.AVRO_NAME.rsplit('.', 1)[-1]} here; the log has none")
+                continue
+            env, got = events[i]
+            i += 1
+            if type(got) is not type(want):
+                self._finding(env, f"the inputs give {type(want).__name__}, the log has {type(got).__name__}"
+                                   + _reason_of(want))
+                continue
+            if env.event_id != derived_id(self.run_id, *entry.what):
+                self._finding(env, f"event_id {env.event_id} is not the derived id of {entry.what}")
+            a = _comparable(want, approximate_clock=self.waited)
+            b = _comparable(got, approximate_clock=self.waited)
+            if a != b:
+                diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+                self._finding(env, f"{type(got).__name__} differs in {', '.join(diff)}: the inputs give "
+                                   f"{json.dumps({k: a.get(k) for k in diff}, default=str)[:300]}")
+        return i
+
+
+def _reason_of(payload: AvroRecord) -> str:
+    if isinstance(payload, RunTerminated):
+        return f" ({payload.reason_code}: {payload.report.detail})"
+    return ""
+
+
+# -- approvals ---------------------------------------------------------------------------------------
+
+
+def check_approvals(run_id: str, events: list[Event], policy: ApprovalPolicy) -> list[Finding]:
+    """Each ApprovalDecided must decide a pending ApprovalRequested of the run with its args hash, in
+    time (or EXPIRED by the system after its expiry), and not be an approval by the run's submitter."""
+    findings: list[Finding] = []
+    requested: dict[str, ApprovalRequested] = {}
+    decided: set[str] = set()
+    submitter: str | None = None
+    for env, payload in events:
+        if isinstance(payload, RunAccepted):
+            submitter = payload.principal_id
+        elif isinstance(payload, ApprovalRequested):
+            requested.setdefault(payload.approval_id, payload)
+        elif isinstance(payload, ApprovalDecided):
+            def bad(problem: str, env: Envelope = env, d: ApprovalDecided = payload) -> None:
+                findings.append(Finding("approval", run_id, env.seq, env.event_type, f"{d.approval_id}: {problem}"))
+
+            req = requested.get(payload.approval_id)
+            if req is None:
+                bad("decides an approval that was never requested")
+                continue
+            if payload.approval_id in decided:
+                bad("decides an approval that was already decided")
+            decided.add(payload.approval_id)
+            if (payload.call_id, payload.args_hash) != (req.call_id, req.args_hash):
+                bad(f"decided call {payload.call_id} args {payload.args_hash[:12]}; the request is for call "
+                    f"{req.call_id} args {req.args_hash[:12]}")
+            if payload.outcome is ApprovalOutcome.EXPIRED:
+                if payload.decided_at_ms <= req.expires_at_ms:
+                    bad(f"EXPIRED at {payload.decided_at_ms}, before its expiry {req.expires_at_ms}")
+                if payload.approver_id != SYSTEM_APPROVER:
+                    bad(f"EXPIRED by {payload.approver_id}, not by the system")
+            else:
+                if payload.decided_at_ms > req.expires_at_ms:
+                    bad(f"{payload.outcome.value} at {payload.decided_at_ms}, after its expiry {req.expires_at_ms}")
+                if payload.approver_id == SYSTEM_APPROVER:
+                    bad(f"{payload.outcome.value} by the system, which only expires approvals")
+                if (payload.outcome is ApprovalOutcome.APPROVED and policy.forbid_self_approval
+                        and payload.approver_id == submitter):
+                    bad(f"approved by {payload.approver_id}, who submitted the run")
+    return findings
+
+
+# -- reading the log ---------------------------------------------------------------------------------
+
+
+def read_run_log(bootstrap: str, topic: str, *, timeout_s: float = 120.0) -> list[Envelope]:
+    """Every committed envelope of `topic` (all partitions, offset 0, read_committed), in partition order."""
+    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+    from tether_messaging.serde import decode_envelope
+
+    consumer = Consumer({
+        "bootstrap.servers": bootstrap,
+        "group.id": f"tether-audit-{uuid.uuid4().hex}",
+        "isolation.level": "read_committed",
+        "enable.auto.commit": False,
+        "enable.partition.eof": True,
+    })
+    try:
+        try:
+            meta = consumer.list_topics(topic, timeout=30)
+        except KafkaException as err:
+            raise LogReadError(f"cannot reach Kafka at {bootstrap}: {err}") from err
+        tmeta = meta.topics.get(topic)
+        if tmeta is None or tmeta.error is not None or not tmeta.partitions:
+            raise LogReadError(f"topic {topic} does not exist at {bootstrap}")
+        parts = sorted(tmeta.partitions)
+        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in parts}
+        done = {p for p, end in ends.items() if end == 0}
+        out: list[Envelope] = []
+        deadline = time.monotonic() + timeout_s
+        while len(done) < len(parts):
+            if time.monotonic() > deadline:
+                raise LogReadError(f"{topic} was not read to its end {ends} within {timeout_s:.0f}s")
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    if msg.offset() >= ends[msg.partition()]:
+                        done.add(msg.partition())
+                    continue
+                raise LogReadError(msg.error().str())
+            try:
+                out.append(decode_envelope(msg.value()))
+            except SerdeError as err:
+                raise LogReadError(f"{topic}[{msg.partition()}]@{msg.offset()} does not decode: {err}") from err
+            if msg.offset() + 1 >= ends[msg.partition()]:
+                done.add(msg.partition())
+        return out
+    finally:
+        consumer.close()
+
+
+def render_text(report: AuditReport) -> str:
+    """The human report: a summary line, then one line per mismatch and note."""
+    verdict = "OK" if report.ok else f"{len(report.mismatches)} MISMATCH(ES)"
+    lines = [f"audit: {report.runs} run(s), {report.events} event(s): {verdict}"]
+    for f in report.findings:
+        tag = "note" if f.check == "note" else f"MISMATCH {f.check}"
+        lines.append(f"  {tag} run={f.run_id} seq={f.seq} {f.event_type}: {f.problem}")
+    return "\n".join(lines)
+
+
+def policies_from_texts(texts: Mapping[str, str]) -> tuple[LoadedPolicy, ...]:
+    """Parse policy documents (name → text) for the gateway audit."""
+    from tether_tool_gateway.domain.policy_document import parse_policy
+
+    return tuple(parse_policy(text) for text in texts.values())

@@ -1,0 +1,267 @@
+"""`tether audit verify` over synthetic logs: a clean log verifies; tampering and decisions that do not follow are found."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+from typer.testing import CliRunner
+
+from tether_budget.domain.decisions import AdmissionPolicy, Decide, admit, fold
+from tether_budget.domain.loopguard import LoopGuard
+from tether_contracts.base import AvroRecord
+from tether_contracts.records import (
+    AgentSpec,
+    ApprovalDecided,
+    ApprovalOutcome,
+    ApprovalRequested,
+    Caps,
+    Envelope,
+    ModelCallCompleted,
+    ModelRef,
+    RunCompleted,
+    StepGranted,
+    SubmitRun,
+    ToolCall,
+    ToolCallBudgeted,
+    ToolCallCompleted,
+    ToolCallRequested,
+    Usage,
+)
+from tether_messaging.chain import seal
+from tether_messaging.envelopes import derived_id, headers_for, make_envelope
+from tether_messaging.serde import encode, open_payload
+from tether_run_api.audit import AuditConfig, render_text, verify_log
+from tether_run_api.cli import main as cli
+from tether_tool_gateway.builtin_tools import builtin_tool_specs
+
+RUN, TENANT = "run-audit-1", "t1"
+T0 = 1_800_000_000_000
+TOOLS = builtin_tool_specs(kv_url="http://127.0.0.1:1", smtp_host="127.0.0.1", smtp_port=1, email_from="a@x.test",
+                           http_allow_hosts=["example.test"])
+NAMES = [t.name for t in TOOLS]
+
+
+def _submit(max_tool_calls: int = 10) -> SubmitRun:
+    caps = Caps(max_steps=10, max_wall_clock_ms=3_600_000, max_tokens=100_000, max_cost_usd_micros=1_000_000,
+                max_tool_calls=max_tool_calls)
+    agent = AgentSpec(agent_id="a", version=1, name="a", instructions="be good",
+                      model=ModelRef(provider="openai", name="m", context_window_tokens=128_000),
+                      tool_allowlist=NAMES, caps=caps, compaction_threshold=0.8)
+    return SubmitRun(request_id="r1", principal_id="alice", goal="do it", agent=agent, tools=TOOLS, caps=caps,
+                     tenant_grants=NAMES)
+
+
+class Sequencer:
+    """Builds a run log the way the budget does (its domain decides, envelopes are sealed on a chain)."""
+
+    def __init__(self, submit: SubmitRun) -> None:
+        self.log: list[Envelope] = []
+        self.clock = T0
+        self.guard = LoopGuard()
+        self.ledger, plan = admit(submit, run_id=RUN, tenant_id=TENANT, partition=0, event_id="submit-1",
+                                  now_ms=self._tick(), policy=AdmissionPolicy())
+        self._write(plan.entries, None)
+
+    def _tick(self) -> int:
+        self.clock += 7
+        return self.clock
+
+    def _append(self, env: Envelope) -> None:
+        prev = self.log[-1].hash if self.log else "0" * 64
+        self.log.append(seal(env, len(self.log) + 1, prev))
+
+    def _write(self, entries, inbound: Envelope | None) -> None:
+        for entry in entries:
+            if isinstance(entry, Decide):
+                self._append(make_envelope(entry.payload, run_id=RUN, tenant_id=TENANT,
+                                           event_id=derived_id(RUN, *entry.what), producer="budget",
+                                           recorded_at_ms=self.clock))
+            else:
+                self._append(inbound)
+
+    def intake(self, payload: AvroRecord, producer: str, what: str) -> None:
+        env = make_envelope(payload, run_id=RUN, tenant_id=TENANT, event_id=derived_id(RUN, what),
+                            producer=producer, recorded_at_ms=self._tick())
+        now = self._tick()
+        plan = fold(self.ledger, payload, event_id=env.event_id, tenant_id=TENANT, guard=self.guard, now_ms=now)
+        self._write(plan.entries, env)
+
+    def raw(self, payload: AvroRecord, producer: str, what: str) -> None:
+        """Append a record the budget never decided on (what a forger or a bug would do)."""
+        self._append(make_envelope(payload, run_id=RUN, tenant_id=TENANT, event_id=derived_id(RUN, what),
+                                   producer=producer, recorded_at_ms=self._tick()))
+
+
+def _model(step: int, k: int) -> ModelCallCompleted:
+    return ModelCallCompleted(step=step, model=ModelRef(provider="openai", name="m", context_window_tokens=128_000),
+                              usage=Usage(input_tokens=10, output_tokens=5, cost_usd_micros=3), assistant_text="",
+                              tool_call_count=k, finish_reason="tool_calls" if k else "stop", latency_ms=1,
+                              attempts=1, compacted=False)
+
+
+def _call(step: int, index: int, tool: str, args: dict) -> tuple[ToolCallRequested, ToolCall]:
+    args_json = json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    call = ToolCall(call_id=f"{step}.{index}", call_index=index,
+                    idem_key=hashlib.sha256(f"{RUN}\x1f{step}\x1f{index}".encode()).hexdigest(), tool_name=tool,
+                    args_json=args_json, args_hash=hashlib.sha256(args_json.encode()).hexdigest(),
+                    provider_call_id=f"p{step}{index}")
+    return ToolCallRequested(step=step, call=call, provenance_json="{}"), call
+
+
+def _completed(call: ToolCall, step: int, result: str = '{"ok":true}') -> ToolCallCompleted:
+    return ToolCallCompleted(step=step, call_id=call.call_id, idem_key=call.idem_key, tool_name=call.tool_name,
+                             result_json=result, untrusted=False, duration_ms=1, replayed=False)
+
+
+def clean_run() -> Sequencer:
+    s = Sequencer(_submit())
+    s.intake(_model(1, 1), "planner", "m1")
+    req, call = _call(1, 0, "kv_get", {"key": "k"})
+    s.intake(req, "planner", "r1.0")
+    s.intake(_completed(call, 1), "tool-gateway", "c1.0")
+    s.intake(_model(2, 0), "planner", "m2")
+    s.intake(RunCompleted(step=2, answer="done", usage=Usage(input_tokens=20, output_tokens=10, cost_usd_micros=6)),
+             "planner", "done")
+    return s
+
+
+def _replace(log: list[Envelope], index: int, payload: AvroRecord, *, reseal: bool) -> list[Envelope]:
+    out = list(log)
+    out[index] = out[index].model_copy(update={"payload": encode(payload)})
+    if reseal:
+        for i in range(index, len(out)):
+            out[i] = seal(out[i], out[i].seq, out[i - 1].hash if i else "0" * 64)
+    return out
+
+
+def test_a_clean_log_verifies():
+    s = clean_run()
+    report = verify_log(s.log)
+    assert report.ok, render_text(report)
+    assert (report.runs, report.events) == (1, len(s.log))
+    assert [type(open_payload(e)).__name__ for e in s.log][:3] == ["RunAccepted", "StepGranted", "ModelCallCompleted"]
+
+
+def test_a_changed_payload_without_a_new_chain_is_a_chain_problem():
+    log = clean_run().log
+    i = next(i for i, e in enumerate(log) if e.event_type == StepGranted.AVRO_NAME)
+    granted = open_payload(log[i])
+    forged = granted.model_copy(update={"remaining": granted.remaining.model_copy(update={"steps": 99})})
+    report = verify_log(_replace(log, i, forged, reseal=False))
+    kinds = {(f.check, f.event_type) for f in report.mismatches}
+    assert ("chain", "HASH_MISMATCH") in kinds
+    assert ("budget", StepGranted.AVRO_NAME) in kinds  # and the content does not follow either
+
+
+def test_a_changed_decision_with_a_recomputed_chain_is_a_decision_mismatch():
+    log = clean_run().log
+    i = next(i for i, e in enumerate(log) if e.event_type == StepGranted.AVRO_NAME)
+    granted = open_payload(log[i])
+    forged = granted.model_copy(update={"remaining": granted.remaining.model_copy(update={"tokens": 10**9})})
+    report = verify_log(_replace(log, i, forged, reseal=True))
+    assert [f.check for f in report.mismatches] == ["budget"], render_text(report)
+    assert "remaining" in report.mismatches[0].problem
+    assert report.mismatches[0].seq == log[i].seq
+
+
+def test_a_tool_call_budgeted_past_the_cap_is_reported():
+    s = Sequencer(_submit(max_tool_calls=1))
+    s.intake(_model(1, 2), "planner", "m1")
+    req0, _ = _call(1, 0, "kv_get", {"key": "a"})
+    req1, call1 = _call(1, 1, "kv_get", {"key": "b"})
+    s.intake(req0, "planner", "r1.0")
+    # The second call is past the cap: the budget would end the run; a forged log budgets it instead.
+    s.raw(req1, "planner", "r1.1")
+    s.raw(ToolCallBudgeted(step=1, call_id="1.1", idem_key=call1.idem_key,
+                           remaining=open_payload(s.log[-2]).remaining), "budget", "forged-budget")
+    report = verify_log(s.log)
+    problems = [f.problem for f in report.mismatches if f.check == "budget"]
+    assert any("RunTerminated" in p and "TOOL_CALL_CAP" in p for p in problems), render_text(report)
+    assert not [f for f in report.mismatches if f.check == "chain"]
+
+
+def test_a_send_email_executed_without_approval_is_reported():
+    s = Sequencer(_submit())
+    s.intake(_model(1, 1), "planner", "m1")
+    req, call = _call(1, 0, "send_email", {"to": "x@evil.test", "subject": "s", "body": "b"})
+    s.intake(req, "planner", "r1.0")
+    s.intake(_completed(call, 1, '{"sent":true}'), "tool-gateway", "c1.0")
+    report = verify_log(s.log, AuditConfig())
+    gateway = [f for f in report.mismatches if f.check == "gateway"]
+    assert gateway and "approval" in gateway[0].problem, render_text(report)
+    assert gateway[0].event_type == ToolCallCompleted.AVRO_NAME
+
+
+def test_an_approval_decision_that_does_not_follow_is_reported():
+    s = Sequencer(_submit())
+    s.intake(_model(1, 1), "planner", "m1")
+    req, call = _call(1, 0, "send_email", {"to": "x@evil.test", "subject": "s", "body": "b"})
+    s.intake(req, "planner", "r1.0")
+    requested = ApprovalRequested(approval_id="apr_1", step=1, call_id=call.call_id, idem_key=call.idem_key,
+                                  tool_name="send_email", args_json=call.args_json, args_hash=call.args_hash,
+                                  reasons=["RISK_CLASS"], risk_class=TOOLS[NAMES.index("send_email")].risk_class,
+                                  expires_at_ms=T0 + 10, policy_version="x", inputs_hash="0" * 64,
+                                  provenance_json="{}")
+    s.raw(requested, "tool-gateway", "a1")
+    # Approved after its expiry, by the run's own submitter, for other arguments.
+    s.raw(ApprovalDecided(approval_id="apr_1", call_id=call.call_id, args_hash="f" * 64,
+                          outcome=ApprovalOutcome.APPROVED, approver_id="alice", comment="",
+                          decided_at_ms=T0 + 10_000), "approval", "d1")
+    problems = [f.problem for f in verify_log(s.log).mismatches if f.check == "approval"]
+    assert any("after its expiry" in p for p in problems)
+    assert any("who submitted the run" in p for p in problems)
+    assert any("the request is for call" in p for p in problems)
+
+
+# -- the CLI over a real Kafka topic --------------------------------------------------------------
+
+
+
+def _publish(bootstrap: str, topic: str, log: list[Envelope]) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap})
+    for env in log:
+        producer.produce(topic, key=env.run_id.encode(), value=encode(env), partition=1,
+                         headers=headers_for(env))
+    assert producer.flush(30) == 0
+
+
+@pytest.mark.integration
+def test_cli_reads_the_log_from_kafka_and_exits_non_zero_on_a_mismatch(kafka_bootstrap):
+    prefix = f"audit-{uuid.uuid4().hex[:10]}."
+    topic = prefix + "tether.run-events.v1"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])[topic].result(30)
+    try:
+        clean = clean_run().log
+        _publish(kafka_bootstrap, topic, clean)
+        ok = CliRunner().invoke(cli.app, ["audit", "verify", "--bootstrap", kafka_bootstrap,
+                                          "--topic-prefix", prefix, "--json"])
+        assert ok.exit_code == 0, ok.output
+        report = json.loads(ok.stdout)
+        assert report["ok"] is True and report["events"] == len(clean) and report["runs"] == 1
+
+        # A second run whose send_email ran without approval: the audit fails and names it.
+        bad = Sequencer(_submit())
+        bad.intake(_model(1, 1), "planner", "m1")
+        req, call = _call(1, 0, "send_email", {"to": "x@evil.test", "subject": "s", "body": "b"})
+        bad.intake(req, "planner", "r1.0")
+        bad.intake(_completed(call, 1, '{"sent":true}'), "tool-gateway", "c1.0")
+        forged: list[Envelope] = []
+        for e in bad.log:  # the same story under another run id, on a chain of its own
+            forged.append(seal(e.model_copy(update={"run_id": "run-audit-2"}), e.seq,
+                               forged[-1].hash if forged else "0" * 64))
+        _publish(kafka_bootstrap, topic, forged)
+        failed = CliRunner().invoke(cli.app, ["audit", "verify", "--bootstrap", kafka_bootstrap,
+                                              "--topic-prefix", prefix])
+        assert failed.exit_code == 3, failed.output
+        assert "MISMATCH gateway run=run-audit-2" in failed.stdout
+        only_clean = CliRunner().invoke(cli.app, ["audit", "verify", "--bootstrap", kafka_bootstrap,
+                                                  "--topic-prefix", prefix, "--run", RUN])
+        assert only_clean.exit_code == 0, only_clean.output
+    finally:
+        admin.delete_topics([topic])
