@@ -23,6 +23,7 @@ from tether_api.v1 import run_service_pb2 as runs_pb
 from tether_api.v1 import tool_service_pb2 as tools_pb
 from tether_api.v1 import types_pb2 as types_pb
 from tether_run_api.cli import render
+from tether_run_api.cli.audit import audit_app
 from tether_run_api.cli.client import CliError, CliSettings, Client, connect, describe, reason
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -35,6 +36,7 @@ app.add_typer(approvals_app, name="approvals")
 app.add_typer(agents_app, name="agents")
 app.add_typer(tools_app, name="tools")
 app.add_typer(admin_app, name="admin")
+app.add_typer(audit_app, name="audit")
 
 _STATE: dict[str, Any] = {}
 EXIT_NOT_COMPLETED = 2
