@@ -46,6 +46,8 @@ class _HttpTestHandler(JsonHandler):
             "body": text,
             "json": parsed,
             "idempotency_key": self.headers.get("Idempotency-Key"),
+            # So a test can see that a header the gateway added (e.g. a secret) arrived.
+            "authorization": self.headers.get("Authorization"),
         }
         self.recorder.record(**request)
         if self.delay_ms:

@@ -29,6 +29,8 @@ from tether_tool_gateway.domain.results import ResultLimits
 from tether_tool_gateway.entrypoint import GatewayProcessor
 from tether_tool_gateway.execution import ToolRunner
 from tether_tool_gateway.executors.builtin import BuiltinExecutor
+from tether_tool_gateway.executors.http_tool import HttpToolExecutor
+from tether_tool_gateway.executors.mcp_tool import McpToolExecutor
 from tether_tool_gateway.executors.sandbox import SandboxExecutor
 from tether_tool_gateway.handlers import Deps
 from tether_tool_gateway.ledger.port import Owner
@@ -110,7 +112,8 @@ def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None,
     # the process-wide log redactor, so the same values never reach a log line either.
     redactor = log_redactor()
     secrets = SecretRegistry(secret_source(settings, environ or {}), redactor)
-    executors: dict[str, Executor] = {"builtin": BuiltinExecutor()}
+    executors: dict[str, Executor] = {"builtin": BuiltinExecutor(), "http": HttpToolExecutor(),
+                                      "mcp": McpToolExecutor()}
     sandbox: SandboxRunner | None = None
     if settings.sandbox_enabled:
         try:

@@ -1,0 +1,174 @@
+"""Executor for executor_kind 'mcp': a tool of a Model Context Protocol server (streamable HTTP), via the `mcp` SDK.
+
+Config (ToolSpec.executor_config_json):
+  url           the server's streamable HTTP endpoint (e.g. http://tools.internal:8000/mcp)
+  tool          the tool's name on the server (Tether's name may differ: it must match [a-z][a-z0-9_]*)
+  headers       extra headers; values may hold `secret://name` handles, resolved at execution time
+  allow_hosts   hosts the tool may contact (default: the url's host)
+
+The gateway opens a session, calls `tools/call` with the validated arguments (the call's idem_key
+goes in the request's `_meta` as `tether/idempotency_key`), and records the result; a result the
+server flags `isError` is a tool error. `tool_specs_from_mcp` turns a server's `tools/list` into
+ToolSpecs, by default in the most restrictive class (IRREVERSIBLE, not idempotent, untrusted).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+import httpx2
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from tether_contracts.records import RiskClass, ToolSpec
+from tether_tool_gateway.domain.errors import ToolError
+from tether_tool_gateway.executors.builtin import _config, _headers
+from tether_tool_gateway.executors.http_tool import endpoint
+from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
+
+EXECUTOR_KIND = "mcp"
+IDEMPOTENCY_META_KEY = "tether/idempotency_key"
+_DEADLINE_MARGIN_S = 0.25
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+
+
+def _client(url: httpx.URL, headers: dict[str, str], timeout_s: float) -> Client:
+    # follow_redirects off as well: the SDK itself only follows same-origin redirects.
+    http = httpx2.AsyncClient(headers=headers, timeout=timeout_s, follow_redirects=False, trust_env=False)
+    return Client(streamable_http_client(str(url), http_client=http), read_timeout_seconds=timeout_s)
+
+
+def _flatten(exc: BaseException) -> BaseException:
+    # anyio task groups wrap the transport's errors in exception groups.
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _transport_error(exc: BaseException, what: str) -> ToolError:
+    inner = _flatten(exc)
+    if isinstance(inner, (TimeoutError, httpx2.TimeoutException)):
+        return ToolError("TIMEOUT", f"the MCP server did not answer {what} in time", retryable=True)
+    return ToolError("TOOL_ERROR", f"MCP {what} failed: {type(inner).__name__}: {inner}", retryable=True)
+
+
+def _jsonable(block: Any) -> Any:
+    return block.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class McpToolExecutor:
+    """Calls one tool of an MCP server over streamable HTTP, one session per call."""
+
+    def execute(self, request: ExecutionRequest, secrets: SecretProvider) -> Any:
+        config = _config(request)
+        url = endpoint(config)
+        remote = config.get("tool")
+        if not isinstance(remote, str) or not remote:
+            raise ToolError("EXECUTOR_UNAVAILABLE", "executor config has no 'tool' (the server's tool name)")
+        headers = _headers(config, secrets)
+        timeout = max(0.1, request.timeout_s - _DEADLINE_MARGIN_S)
+        if not isinstance(request.args, dict):
+            raise ToolError("TOOL_ERROR", "MCP tool arguments must be a JSON object")
+        return anyio.run(self._call, url, headers, remote, request.args, request.idem_key, timeout)
+
+    async def _call(self, url: httpx.URL, headers: dict[str, str], remote: str, args: dict[str, Any],
+                    idem_key: str, timeout: float) -> Any:
+        try:
+            with anyio.fail_after(timeout):
+                async with _client(url, headers, timeout) as client:
+                    result = await client.call_tool(remote, args, meta={IDEMPOTENCY_META_KEY: idem_key})
+        except ToolError:
+            raise
+        except Exception as exc:  # transport, protocol (MCPError) and timeouts alike
+            raise _transport_error(exc, f"tools/call {remote!r}") from exc
+        content = [_jsonable(block) for block in result.content]
+        if result.is_error:
+            text = " ".join(b.get("text", "") for b in content if isinstance(b, dict))
+            raise ToolError("TOOL_ERROR", f"the MCP tool {remote!r} reported an error: {text[:500]}")
+        out: dict[str, Any] = {"content": content}
+        if result.structured_content is not None:
+            out["structured_content"] = result.structured_content
+        return out
+
+
+# -- listing and registering a server's tools ---------------------------------------------------
+@dataclass(frozen=True)
+class McpTool:
+    """A tool as an MCP server declares it in tools/list."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+
+
+def list_mcp_tools(url: str, *, headers: dict[str, str] | None = None, timeout_s: float = 30.0) -> list[McpTool]:
+    """The tools the server at `url` (streamable HTTP) declares, every page of tools/list."""
+
+    async def fetch() -> list[McpTool]:
+        tools: list[McpTool] = []
+        with anyio.fail_after(timeout_s):
+            async with _client(httpx.URL(url), dict(headers or {}), timeout_s) as client:
+                cursor: str | None = None
+                while True:
+                    page = await client.list_tools(cursor=cursor)
+                    tools += [McpTool(t.name, t.description or "", dict(t.input_schema)) for t in page.tools]
+                    cursor = page.next_cursor
+                    if not cursor:
+                        return tools
+
+    try:
+        return anyio.run(fetch)
+    except Exception as exc:
+        raise _transport_error(exc, "tools/list") from exc
+
+
+def tether_name(remote: str, prefix: str = "") -> str:
+    """A Tether tool name for a server's tool: lower-case, [a-z0-9_], starting with a letter."""
+    name = re.sub(r"[^a-z0-9_]", "_", (prefix + remote).lower())
+    if not name or not name[0].isalpha():
+        name = "mcp_" + name
+    name = name[:64]
+    if not _NAME.match(name):
+        raise ValueError(f"cannot make a tool name from {remote!r}")
+    return name
+
+
+def tool_specs_from_mcp(url: str, tools: Sequence[McpTool], *, prefix: str = "",
+                        risk_class: RiskClass = RiskClass.IRREVERSIBLE, idempotent: bool = False,
+                        untrusted_source: bool = True, egress: bool = True, timeout_ms: int = 30_000,
+                        headers: dict[str, str] | None = None, allow_hosts: Sequence[str] | None = None,
+                        constraints: dict[str, Any] | None = None, version: int = 1) -> list[ToolSpec]:
+    """One ToolSpec (executor_kind 'mcp') per declared tool, with the schema the server declares.
+
+    The defaults are the most restrictive class until an operator says otherwise: IRREVERSIBLE
+    (a human approves each call under the default policy), not idempotent (never re-run after a
+    crash: OutcomeUnknown), untrusted output, egress."""
+    specs = []
+    for tool in tools:
+        config: dict[str, Any] = {"url": url, "tool": tool.name}
+        if headers:
+            config["headers"] = dict(headers)
+        if allow_hosts is not None:
+            config["allow_hosts"] = sorted({h.lower() for h in allow_hosts})
+        schema = tool.input_schema if tool.input_schema.get("type") == "object" else {"type": "object"}
+        specs.append(ToolSpec(
+            name=tether_name(tool.name, prefix),
+            version=version,
+            description=tool.description or f"MCP tool {tool.name}",
+            args_schema_json=json.dumps(schema, sort_keys=True, separators=(",", ":")),
+            risk_class=risk_class,
+            idempotent=idempotent,
+            untrusted_source=untrusted_source,
+            executor_kind=EXECUTOR_KIND,
+            executor_config_json=json.dumps(config, sort_keys=True, separators=(",", ":")),
+            timeout_ms=timeout_ms,
+            egress=egress,
+            constraints_json=json.dumps(constraints or {}, sort_keys=True, separators=(",", ":")),
+        ))
+    return specs

@@ -1,0 +1,203 @@
+"""Users' own tools (executor_kind 'http' and 'mcp') against real local servers, a real ledger and the real redactor.
+
+The misbehaving tool server is the dev HTTP service (a separate process): /slow, /status/<code>,
+/garbage, /huge/<bytes>, /redirect?to=. Every case must end as a clear tool error; nothing hangs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import structlog
+
+from tether_contracts.records import RiskClass, ToolSpec
+from tether_devservices.process import spawn
+from tether_messaging.blobstore import PostgresBlobStore
+from tether_security import Redactor, SecretRegistry, StaticSecretProvider
+from tether_tool_gateway.domain.canonical import canonical_json, idem_key_for, sha256_hex
+from tether_tool_gateway.execution import Completed, Failed, ToolRunner, tool_spec_json
+from tether_tool_gateway.executors.http_tool import HttpToolExecutor
+from tether_tool_gateway.executors.mcp_tool import McpToolExecutor, list_mcp_tools, tool_specs_from_mcp
+from tether_tool_gateway.ledger import Intent, Owner
+from tether_tool_gateway.ledger.postgres import PostgresLedger
+from tether_tool_gateway.mcp_testing import start_mcp_server
+
+pytestmark = pytest.mark.integration
+
+SECRET = "tok-3b9f0c1e7a5d42c8b6e1f09a7c3d5e2b"
+GW = Owner("tool-gateway-0", "boot-1")
+ARGS_SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+
+
+@pytest.fixture
+def http(tmp_path):
+    with spawn("http", tmp_path / "http.jsonl") as svc:
+        yield svc
+
+
+@pytest.fixture
+def mcp_server():
+    server = start_mcp_server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def env(pg_schema):
+    """A runner with the http and mcp executors, a real ledger and blob store, and the secret registry."""
+    from psycopg_pool import ConnectionPool
+
+    pool = ConnectionPool(pg_schema.base_dsn, min_size=1, max_size=4, open=True)
+    ledger = PostgresLedger(pool, schema=pg_schema.name)
+    ledger.ensure_schema()
+    blobs = PostgresBlobStore(pool, schema=pg_schema.name)
+    blobs.ensure_schema()
+    redactor = Redactor()
+    secrets = SecretRegistry(StaticSecretProvider({"team/token": SECRET}), redactor)
+    runner = ToolRunner(ledger=ledger, executors={"http": HttpToolExecutor(), "mcp": McpToolExecutor()},
+                        blobs=blobs, owner=GW, secrets=secrets, redactor=redactor)
+
+    class Env:
+        def run(self, tool: ToolSpec, args, *, call_index: int = 0):
+            args_json = canonical_json(args)
+            intent = Intent(idem_key=idem_key_for("run-u", 1, call_index), run_id="run-u", tenant_id="t1",
+                            partition=0, step=1, call_id=f"1.{call_index}", tool_name=tool.name,
+                            args_json=args_json, args_hash=sha256_hex(args_json),
+                            tool_spec_json=tool_spec_json(tool), idempotent=tool.idempotent)
+            return intent, runner.run(intent, tool)
+
+        def ledger_text(self) -> str:
+            with pool.connection() as conn:
+                tables = [r[0] for r in conn.execute(
+                    "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
+                    (pg_schema.name,)).fetchall()]
+                return "\n".join(str(conn.execute(f'SELECT * FROM "{pg_schema.name}"."{t}"').fetchall())
+                                 for t in tables)
+
+    yield Env()
+    runner.close()
+    pool.close()
+
+
+def http_tool(url: str, *, idempotent: bool = False, timeout_ms: int = 5_000, **config) -> ToolSpec:
+    return ToolSpec(name="team_lookup", version=1, description="the team's lookup service",
+                    args_schema_json=json.dumps(ARGS_SCHEMA), risk_class=RiskClass.READ_ONLY, idempotent=idempotent,
+                    untrusted_source=True, executor_kind="http",
+                    executor_config_json=json.dumps({"url": url, **config}), timeout_ms=timeout_ms)
+
+
+# -- the happy path and the idempotency key ------------------------------------------------------
+def test_args_are_posted_as_json_with_the_idempotency_key(env, http):
+    intent, outcome = env.run(http_tool(f"{http.url}/lookup"), {"q": "tether"})
+    assert isinstance(outcome, Completed) and outcome.untrusted
+    result = json.loads(outcome.result_json)
+    assert result["status"] == 200 and result["body"]["echo"]["json"] == {"q": "tether"}
+    [record] = http.records()
+    assert record["method"] == "POST" and record["path"] == "/lookup"
+    assert record["idempotency_key"] == intent.idem_key
+
+
+# -- misbehaving tool servers ----------------------------------------------------------------------
+def test_a_slow_answer_is_a_timeout(env, http):
+    _, outcome = env.run(http_tool(f"{http.url}/slow/30000", timeout_ms=1_500), {"q": "x"})
+    assert isinstance(outcome, Failed) and outcome.error_code == "TIMEOUT"
+    assert len(http.records()) == 1  # not idempotent: tried once
+
+
+def test_garbage_is_an_invalid_result(env, http):
+    _, outcome = env.run(http_tool(f"{http.url}/garbage"), {"q": "x"})
+    assert isinstance(outcome, Failed) and outcome.error_code == "INVALID_RESULT"
+    assert "not JSON" in outcome.detail
+
+
+def test_a_500_is_a_tool_error_retried_only_for_an_idempotent_tool(env, http):
+    _, once = env.run(http_tool(f"{http.url}/status/500"), {"q": "x"}, call_index=0)
+    assert isinstance(once, Failed) and once.error_code == "TOOL_ERROR" and "HTTP 500" in once.detail
+    assert len(http.records()) == 1
+    intent, retried = env.run(http_tool(f"{http.url}/status/500", idempotent=True, max_attempts=3,
+                                        timeout_ms=20_000), {"q": "x"}, call_index=1)
+    assert isinstance(retried, Failed) and retried.error_code == "TOOL_ERROR" and retried.retryable
+    later = http.records()[1:]
+    assert len(later) == 3 and {r["idempotency_key"] for r in later} == {intent.idem_key}
+
+
+def test_a_4xx_is_not_retried(env, http):
+    _, outcome = env.run(http_tool(f"{http.url}/status/404", idempotent=True), {"q": "x"})
+    assert isinstance(outcome, Failed) and "HTTP 404" in outcome.detail and not outcome.retryable
+    assert len(http.records()) == 1
+
+
+def test_fifty_megabytes_is_oversized(env, http):
+    _, outcome = env.run(http_tool(f"{http.url}/huge/{50 * 1024 * 1024}", max_response_bytes=1024 * 1024),
+                         {"q": "x"})
+    assert isinstance(outcome, Failed) and outcome.error_code == "OVERSIZED_RESULT"
+
+
+def test_a_redirect_off_the_allowlist_is_refused(env, http):
+    url = f"{http.url}/redirect?to=http://elsewhere.example/steal"
+    _, outcome = env.run(http_tool(url), {"q": "x"})
+    assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR"
+    assert "elsewhere.example" in outcome.detail and "allowlist" in outcome.detail
+    assert len(http.records()) == 1  # the redirect was not followed
+
+
+def test_an_endpoint_off_the_allowlist_is_never_contacted(env, http):
+    _, outcome = env.run(http_tool(f"{http.url}/lookup", allow_hosts=["tools.example"]), {"q": "x"})
+    assert isinstance(outcome, Failed) and "not allowed" in outcome.detail
+    assert http.records() == []
+
+
+def test_a_service_that_is_down_is_a_tool_error(env):
+    _, outcome = env.run(http_tool("http://127.0.0.1:9/lookup"), {"q": "x"})
+    assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR"
+
+
+# -- secrets ---------------------------------------------------------------------------------------
+def test_a_secret_header_reaches_the_service_and_nothing_else(env, http, capsys):
+    with structlog.testing.capture_logs() as logs:
+        _, outcome = env.run(http_tool(f"{http.url}/lookup", headers={"Authorization": "Bearer secret://team/token"}),
+                             {"q": "x"})
+    assert isinstance(outcome, Completed)
+    [record] = http.records()
+    assert record["authorization"] == f"Bearer {SECRET}"  # it reached the service
+    # The service echoed it back; the redactor scrubbed it before it was recorded.
+    assert SECRET not in outcome.result_json
+    assert SECRET not in env.ledger_text()
+    assert SECRET not in json.dumps(logs, default=str)
+    out = capsys.readouterr()
+    assert SECRET not in out.out and SECRET not in out.err
+
+
+# -- MCP -------------------------------------------------------------------------------------------
+def test_an_mcp_servers_tools_are_listed_and_called_through_the_gateway(env, mcp_server):
+    tools = list_mcp_tools(mcp_server.url)
+    assert {t.name for t in tools} == {"add", "shout", "fail"}
+    specs = {s.name: s for s in tool_specs_from_mcp(mcp_server.url, tools, prefix="demo_")}
+    add = specs["demo_add"]
+    # The most restrictive class until an operator says otherwise.
+    assert add.risk_class is RiskClass.IRREVERSIBLE and not add.idempotent and add.untrusted_source
+    assert json.loads(add.args_schema_json)["required"] == ["a", "b"]
+    _, outcome = env.run(add, {"a": 2, "b": 40})
+    assert isinstance(outcome, Completed) and outcome.untrusted
+    assert json.loads(outcome.result_json)["structured_content"] == {"result": 42}
+    _, failed = env.run(specs["demo_fail"], {"reason": "no such order"}, call_index=1)
+    assert isinstance(failed, Failed) and failed.error_code == "TOOL_ERROR" and "fail" in failed.detail
+    assert [c["tool"] for c in mcp_server.calls] == ["add", "fail"]
+
+
+def test_an_mcp_server_that_is_down_is_a_tool_error(env):
+    tool = ToolSpec(name="gone", version=1, description="d", args_schema_json='{"type":"object"}',
+                    risk_class=RiskClass.IRREVERSIBLE, idempotent=False, untrusted_source=True, executor_kind="mcp",
+                    executor_config_json=json.dumps({"url": "http://127.0.0.1:9/mcp", "tool": "gone"}),
+                    timeout_ms=5_000)
+    _, outcome = env.run(tool, {})
+    assert isinstance(outcome, Failed) and outcome.error_code in ("TOOL_ERROR", "TIMEOUT")
+
+
+def test_an_mcp_server_off_the_allowlist_is_never_contacted(env, mcp_server):
+    [spec] = [s for s in tool_specs_from_mcp(mcp_server.url, list_mcp_tools(mcp_server.url),
+                                             allow_hosts=["tools.example"]) if s.name == "add"]
+    _, outcome = env.run(spec, {"a": 1, "b": 2})
+    assert isinstance(outcome, Failed) and "not allowed" in outcome.detail
+    assert mcp_server.calls == []
