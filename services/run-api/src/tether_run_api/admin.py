@@ -17,6 +17,7 @@ from tether_run_api.domain.auth import (
 )
 from tether_run_api.domain.catalog import AGENT_ID, TOOL_NAME
 from tether_run_api.domain.errors import FieldViolation, InvalidArgument
+from tether_run_api.domain.tenancy import TenantPolicy
 
 DEMO_AGENT_ID = "demo"
 DEMO_INSTRUCTIONS = (
@@ -64,6 +65,19 @@ def create_tenant(store: PostgresStore, tenant_id: str, *, display_name: str = "
     if spread < 1:
         raise InvalidArgument(FieldViolation("spread", "must be at least 1"))
     store.ensure_tenant(tenant_id, display_name, spread)
+
+
+def set_tenant_limits(store: PostgresStore, tenant_id: str, policy: TenantPolicy) -> None:
+    """Set a tenant's limits (totals over its spread; 0 = no limit). New submits carry them at once;
+    runs already queued or running keep their place (docs/tenancy.md)."""
+    names = ("max_concurrent_runs", "max_queued_runs", "spend_cap_usd_micros", "spend_window_ms", "tokens_per_minute")
+    bad = [FieldViolation(n, "must not be negative (0 = no limit)") for n in names if getattr(policy, n) < 0]
+    if policy.max_queued_runs > 0 and policy.max_concurrent_runs <= 0:
+        bad.append(FieldViolation("max_queued_runs", "a queue needs a concurrency cap (max_concurrent_runs > 0)"))
+    if bad:
+        raise InvalidArgument(bad)
+    if not store.set_tenant_limits(tenant_id, policy):
+        raise InvalidArgument(FieldViolation("tenant_id", f"no tenant {tenant_id!r}; create it first"))
 
 
 def issue_key(store: PostgresStore, tenant_id: str, principal_id: str, roles: Iterable[str], *,

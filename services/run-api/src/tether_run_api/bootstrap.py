@@ -6,11 +6,13 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 
 import redis
+import structlog
 from psycopg_pool import ConnectionPool
 
 from tether_messaging.admin import declare_topics
 from tether_messaging.topics import Topics
 from tether_run_api import handlers
+from tether_run_api.adapters.backlog import PostgresTenantBacklog
 from tether_run_api.adapters.kafka import KafkaCommandPublisher
 from tether_run_api.adapters.live import RedisLiveEvents
 from tether_run_api.adapters.postgres import PostgresStore, migrate, open_pool
@@ -18,6 +20,7 @@ from tether_run_api.adapters.read_model import PostgresReadModel
 from tether_run_api.api.servicers import Services
 from tether_run_api.domain.admission import SubmitRateLimiter
 from tether_run_api.domain.runs import RunLimits
+from tether_run_api.domain.tenancy import AdmissionGate
 from tether_run_api.settings import RunApiSettings
 
 
@@ -40,6 +43,11 @@ class App:
         for close in reversed(self._closers):
             close()
         self._closers.clear()
+
+
+def _backlog_unavailable(tenant_id: str, error: Exception) -> None:
+    # The door lets the submit through; the budget service still enforces the tenant's limits.
+    structlog.get_logger("tether_run_api").warning("tenant_backlog_unavailable", tenant_id=tenant_id, error=str(error))
 
 
 def open_store(settings: RunApiSettings) -> tuple[PostgresStore, ConnectionPool]:
@@ -81,5 +89,12 @@ def build_app(settings: RunApiSettings) -> App:
         max_streams=settings.max_streams,
         auth_cache_s=settings.auth_cache_s,
         forbid_self_approval=settings.forbid_self_approval,
+        admission=AdmissionGate(
+            PostgresTenantBacklog(pool, settings.pg_schema, settings.read_model_schema),
+            refresh_ms=settings.admission_refresh_ms,
+            unprojected_window_ms=int(settings.admission_unprojected_window_s * 1000),
+            retry_after_s=settings.tenant_queue_full_retry_s,
+            on_unavailable=_backlog_unavailable,
+        ),
     )
     return App(settings=settings, services=services, store=store, publisher=publisher, _closers=closers)

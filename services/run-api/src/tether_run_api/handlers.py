@@ -58,6 +58,7 @@ from tether_run_api.domain.runs import (
     validate_submit,
 )
 from tether_run_api.domain.stream import Offer, SeqGate
+from tether_run_api.domain.tenancy import AdmissionGate, lane_limits
 from tether_run_api.domain.trace import Trace, build_trace
 from tether_run_api.domain.views import ApprovalView, EventView, RunView, StepView, Submission
 from tether_run_api.ports import (
@@ -251,12 +252,16 @@ def submit_run(
     limits: RunLimits,
     partitioning: Partitioning,
     traceparent: str | None = None,
+    admission: AdmissionGate | None = None,
 ) -> Submission:
     """Snapshot the agent, tools and grants into a SubmitRun command and produce it; idempotent on request_id.
 
     `run_id` is used only if this request_id is new. The ledger row (unique per tenant and
     request_id) holds the encoded command, so a retry after a lost acknowledgement produces
-    the very same record again (same event id: the sequencer drops the duplicate).
+    the very same record again (same event id: the sequencer drops the duplicate). A new
+    submit of a tenant whose runs (queued and running) already fill its limits is refused with
+    TENANT_QUEUE_FULL (`admission`, approximate); the command carries the tenant's limits for
+    the run's partition lane, which the budget service enforces.
     """
     principal.require(ROLE_MEMBER)
     validate_submit(req, limits)
@@ -266,13 +271,17 @@ def submit_run(
     existing = ledger.get(tenant, req.request_id)
     if existing is None:
         limiter.admit(tenant, now_ms / 1000.0)
+        policy = catalog.tenant_policy(tenant)
         agent = catalog.get_agent(tenant, req.agent_id, req.agent_version or None)
         if agent is None:
             raise AgentNotFound(req.agent_id, req.agent_version)
+        if admission is not None:
+            admission.admit(tenant, policy, now_ms)
         tools = catalog.latest_enabled_tools(tenant, list(agent.spec.tool_allowlist))
         grants = catalog.grants_for(tenant, principal.principal_id)
-        command = build_submit(principal, req, agent.spec, [t.spec for t in tools], grants)
-        partition = partition_for(tenant, run_id, partitioning.partitions, catalog.tenant_spread(tenant))
+        partition = partition_for(tenant, run_id, partitioning.partitions, policy.spread)
+        limits = lane_limits(policy, tenant, partition, partitioning.partitions)
+        command = build_submit(principal, req, agent.spec, [t.spec for t in tools], grants, limits)
         envelope = make_envelope(
             command,
             run_id=run_id,

@@ -13,6 +13,7 @@ from typing import Protocol
 from tether_contracts.records import AgentSpec, Envelope, ToolSpec
 from tether_run_api.domain.auth import Principal
 from tether_run_api.domain.catalog import AgentVersion, ToolVersion
+from tether_run_api.domain.tenancy import TenantBacklog, TenantPolicy
 from tether_run_api.domain.views import ApprovalView, EventView, RunView, StepView, Submission
 
 
@@ -81,6 +82,10 @@ class Catalog(Protocol):
 
     def tenant_spread(self, tenant_id: str) -> int:
         """How many partitions the tenant's runs spread over (1 = its home partition only)."""
+        ...
+
+    def tenant_policy(self, tenant_id: str) -> TenantPolicy:
+        """The tenant's spread and limits (totals; no limits for an unknown tenant)."""
         ...
 
 
@@ -168,3 +173,9 @@ class LiveEvents(Protocol):
     def read(self, run_id: str, cursor: str, block_ms: int) -> tuple[list[LiveEntry], str]:
         """Entries after cursor (waiting up to block_ms for the first), and the cursor after them."""
         ...
+
+
+__all__ = [
+    "ApiKeys", "Catalog", "CommandPublisher", "Idempotency", "LiveEntry", "LiveEvents", "ReadModel", "SubmitLedger",
+    "TenantBacklog",
+]

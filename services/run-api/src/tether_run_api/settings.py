@@ -28,6 +28,15 @@ class RunApiSettings(ServiceSettings):
     max_trace_events: int = Field(10_000, ge=1, description="Most events one GetRunTrace returns.")
     submit_rate_per_s: float = Field(20.0, gt=0, description="Per-tenant submit rate of this replica.")
     submit_burst: int = Field(40, ge=1, description="Per-tenant submit burst of this replica.")
+    admission_refresh_ms: int = Field(
+        250, ge=0, description="How often a tenant's backlog (queued + running runs) is re-read for the door's check."
+    )
+    admission_unprojected_window_s: float = Field(
+        60.0, gt=0, description="Submits this recent that the read model does not show yet count in the backlog."
+    )
+    tenant_queue_full_retry_s: float = Field(
+        2.0, gt=0, description="RetryInfo of a TENANT_QUEUE_FULL refusal."
+    )
     auth_cache_s: float = Field(10.0, ge=0, description="How long a key lookup is cached (revocation delay).")
     pg_schema: str = Field("run_api", description="PostgreSQL schema of the catalog, keys and submit ledger.")
     read_model_schema: str = Field("read_model", description="The projector's read model schema.")

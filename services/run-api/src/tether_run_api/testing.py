@@ -11,10 +11,12 @@ from tether_run_api.domain.catalog import AgentVersion, ToolVersion
 from tether_run_api.domain.errors import (
     AgentAlreadyExists,
     AgentVersionConflict,
+    BackendUnavailable,
     CommandNotDelivered,
     RequestIdReused,
 )
-from tether_run_api.domain.views import ApprovalView, EventView, RunView, StepView, Submission
+from tether_run_api.domain.tenancy import TenantPolicy
+from tether_run_api.domain.views import ApprovalView, EventView, RunStatus, RunView, StepView, Submission
 from tether_run_api.ports import Idempotency, LiveEntry
 
 
@@ -38,6 +40,7 @@ class FakeCatalog:
     tools: dict[tuple[str, str], list[ToolVersion]] = field(default_factory=dict)
     grants: dict[str, set[tuple[str, str]]] = field(default_factory=dict)
     spreads: dict[str, int] = field(default_factory=dict)
+    policies: dict[str, TenantPolicy] = field(default_factory=dict)
     requests: dict[tuple[str, str, str], tuple[str, str, int]] = field(default_factory=dict)
 
     def _replay(self, tenant: str, op: str, idem: Idempotency | None) -> tuple[str, int] | None:
@@ -143,6 +146,10 @@ class FakeCatalog:
     def tenant_spread(self, tenant_id: str) -> int:
         return self.spreads.get(tenant_id, 1)
 
+    def tenant_policy(self, tenant_id: str) -> TenantPolicy:
+        policy = self.policies.get(tenant_id, TenantPolicy())
+        return replace(policy, spread=self.spreads.get(tenant_id, policy.spread))
+
 
 class FakeLedger:
     """SubmitLedger in memory."""
@@ -172,6 +179,29 @@ class FakeLedger:
         rows = sorted((s for s in self.rows.values() if not s.delivered and s.created_at_ms < created_before_ms),
                       key=lambda s: s.created_at_ms)
         return rows[:limit]
+
+
+class FakeTenantBacklog:
+    """TenantBacklog with the same meaning as the PostgreSQL one, over a FakeReadModel and a FakeLedger:
+    open runs the read model shows, plus recent submissions it does not show yet."""
+
+    OPEN = frozenset({RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.WAITING})
+
+    def __init__(self, read_model: FakeReadModel, ledger: FakeLedger) -> None:
+        self.read_model = read_model
+        self.ledger = ledger
+        self.unavailable = False
+        self.reads = 0
+
+    def backlog(self, tenant_id: str, submitted_since_ms: int) -> int:
+        self.reads += 1
+        if self.unavailable:
+            raise BackendUnavailable("read model", "fake outage")
+        runs = {run_id: r for (t, run_id), r in self.read_model.runs.items() if t == tenant_id}
+        projected = sum(1 for r in runs.values() if r.status in self.OPEN)
+        unprojected = sum(1 for (t, _), s in self.ledger.rows.items()
+                          if t == tenant_id and s.created_at_ms >= submitted_since_ms and s.run_id not in runs)
+        return projected + unprojected
 
 
 class FakePublisher:

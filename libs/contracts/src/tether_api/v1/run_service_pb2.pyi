@@ -21,6 +21,7 @@ class RunStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATUS_COMPLETED: _ClassVar[RunStatus]
     RUN_STATUS_TERMINATED: _ClassVar[RunStatus]
     RUN_STATUS_REJECTED: _ClassVar[RunStatus]
+    RUN_STATUS_QUEUED: _ClassVar[RunStatus]
 RUN_STATUS_UNSPECIFIED: RunStatus
 RUN_STATUS_PENDING: RunStatus
 RUN_STATUS_RUNNING: RunStatus
@@ -28,6 +29,7 @@ RUN_STATUS_WAITING: RunStatus
 RUN_STATUS_COMPLETED: RunStatus
 RUN_STATUS_TERMINATED: RunStatus
 RUN_STATUS_REJECTED: RunStatus
+RUN_STATUS_QUEUED: RunStatus
 
 class Run(_message.Message):
     __slots__ = ("run_id", "agent_id", "agent_version", "status", "goal", "principal_id", "answer", "usage", "steps", "termination", "create_time", "update_time", "end_time", "last_seq")

@@ -20,6 +20,7 @@ from tether_run_api.domain.errors import (
     BackendUnavailable,
     RequestIdReused,
 )
+from tether_run_api.domain.tenancy import TenantPolicy
 from tether_run_api.domain.views import Submission
 from tether_run_api.ports import Idempotency
 
@@ -36,6 +37,12 @@ CREATE TABLE IF NOT EXISTS {s}.tenants (
     spread       int  NOT NULL DEFAULT 1 CHECK (spread >= 1),
     created_at   timestamptz NOT NULL DEFAULT now()
 );
+-- Tenant limits (totals over the tenant's spread; 0 = no limit), added after the first release.
+ALTER TABLE {s}.tenants ADD COLUMN IF NOT EXISTS max_concurrent_runs  int    NOT NULL DEFAULT 0;
+ALTER TABLE {s}.tenants ADD COLUMN IF NOT EXISTS max_queued_runs      int    NOT NULL DEFAULT 0;
+ALTER TABLE {s}.tenants ADD COLUMN IF NOT EXISTS spend_cap_usd_micros bigint NOT NULL DEFAULT 0;
+ALTER TABLE {s}.tenants ADD COLUMN IF NOT EXISTS spend_window_ms      bigint NOT NULL DEFAULT 0;
+ALTER TABLE {s}.tenants ADD COLUMN IF NOT EXISTS tokens_per_minute    bigint NOT NULL DEFAULT 0;
 CREATE TABLE IF NOT EXISTS {s}.api_keys (
     key_hash     text PRIMARY KEY,
     tenant_id    text NOT NULL REFERENCES {s}.tenants (tenant_id),
@@ -122,6 +129,7 @@ CREATE TABLE IF NOT EXISTS {s}.submissions (
 );
 CREATE INDEX IF NOT EXISTS submissions_tenant_run ON {s}.submissions (tenant_id, run_id DESC);
 CREATE INDEX IF NOT EXISTS submissions_undelivered ON {s}.submissions (created_at_ms) WHERE delivered_at IS NULL;
+CREATE INDEX IF NOT EXISTS submissions_tenant_created ON {s}.submissions (tenant_id, created_at_ms);
 """
 
 
@@ -548,6 +556,29 @@ class PostgresStore:
     def tenant_spread(self, tenant_id: str) -> int:
         row = self._one("SELECT spread FROM {s}.tenants WHERE tenant_id = %s", (tenant_id,))
         return row["spread"] if row else 1
+
+    @unavailable_as_error
+    def tenant_policy(self, tenant_id: str) -> TenantPolicy:
+        row = self._one(
+            "SELECT spread, max_concurrent_runs, max_queued_runs, spend_cap_usd_micros, spend_window_ms, "
+            "tokens_per_minute FROM {s}.tenants WHERE tenant_id = %s",
+            (tenant_id,),
+        )
+        return TenantPolicy(**row) if row else TenantPolicy()
+
+    @unavailable_as_error
+    def set_tenant_limits(self, tenant_id: str, policy: TenantPolicy) -> bool:
+        """Store the tenant's limits (its spread is left as it is); False if there is no such tenant."""
+        with self._pool.connection() as conn:
+            cur = conn.execute(
+                self._q(
+                    "UPDATE {s}.tenants SET max_concurrent_runs = %s, max_queued_runs = %s, "
+                    "spend_cap_usd_micros = %s, spend_window_ms = %s, tokens_per_minute = %s WHERE tenant_id = %s"
+                ),
+                (policy.max_concurrent_runs, policy.max_queued_runs, policy.spend_cap_usd_micros,
+                 policy.spend_window_ms, policy.tokens_per_minute, tenant_id),
+            )
+            return cur.rowcount == 1
 
     # -- SubmitLedger ------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ def _json(value: Any) -> Any:
 
 # The projector's runs.status values (tether_projector.domain.state.RunStatus) → the API's.
 _STATUS = {
+    "QUEUED": RunStatus.QUEUED,  # waiting in its tenant's queue (RunQueued)
     "ACCEPTED": RunStatus.RUNNING,  # admitted, no step granted yet
     "RUNNING": RunStatus.RUNNING,
     "WAITING_APPROVAL": RunStatus.WAITING,

@@ -33,6 +33,7 @@ from tether_run_api.domain.auth import Principal, api_key_from_metadata, hash_ap
 from tether_run_api.domain.catalog import CatalogLimits
 from tether_run_api.domain.errors import ApiError, MalformedRequest, RequestTooLarge, TooManyStreams, Unauthenticated
 from tether_run_api.domain.runs import RunLimits, SubmitRequest, new_run_id
+from tether_run_api.domain.tenancy import AdmissionGate
 from tether_run_api.ports import ApiKeys, Catalog, CommandPublisher, LiveEvents, ReadModel, SubmitLedger
 
 log = structlog.get_logger("tether_run_api.api")
@@ -58,6 +59,8 @@ class Services:
     max_streams: int = 32
     auth_cache_s: float = 10.0
     forbid_self_approval: bool = True
+    #: The approximate tenant-capacity check at submit (None: only the budget service enforces it).
+    admission: AdmissionGate | None = None
     clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000
     new_run_id: Callable[[int], str] | None = None
 
@@ -277,7 +280,7 @@ class RunService(_Servicer, runs_grpc.RunServiceServicer):
         sub = handlers.submit_run(
             req, principal=principal, now_ms=now, run_id=run_id, catalog=self.s.catalog, ledger=self.s.ledger,
             publisher=self.s.publisher, limiter=self.s.limiter, limits=self.s.run_limits,
-            partitioning=self.s.partitioning, traceparent=_traceparent(context),
+            partitioning=self.s.partitioning, traceparent=_traceparent(context), admission=self.s.admission,
         )
         SUBMITS.labels("new" if sub.run_id == run_id else "replayed").inc()
         return runs_pb.SubmitRunResponse(run_id=sub.run_id, agent_version=sub.agent_version)

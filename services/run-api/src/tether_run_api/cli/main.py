@@ -482,6 +482,26 @@ def admin_create_tenant(
     render.console.print(f"tenant {tenant_id} (spread {spread})")
 
 
+@admin_app.command("tenant-limits")
+def admin_tenant_limits(
+    tenant_id: str,
+    max_concurrent_runs: Annotated[int, typer.Option(help="runs at once (0 = no cap)")] = 0,
+    max_queued_runs: Annotated[int, typer.Option(help="runs waiting beyond the cap (0 = no queue)")] = 0,
+    spend_cap_usd_micros: Annotated[int, typer.Option(help="model spend per window, µUSD (0 = no cap)")] = 0,
+    spend_window_ms: Annotated[int, typer.Option(help="spend window, ms (0 = lifetime total)")] = 0,
+    tokens_per_minute: Annotated[int, typer.Option(help="model tokens per minute (0 = no cap)")] = 0,
+) -> None:
+    """Set a tenant's limits (totals, split over its spread; docs/tenancy.md)."""
+    from tether_run_api import admin
+    from tether_run_api.domain.tenancy import TenantPolicy
+
+    policy = TenantPolicy(max_concurrent_runs=max_concurrent_runs, max_queued_runs=max_queued_runs,
+                          spend_cap_usd_micros=spend_cap_usd_micros, spend_window_ms=spend_window_ms,
+                          tokens_per_minute=tokens_per_minute)
+    admin.set_tenant_limits(_store(), tenant_id, policy)
+    render.console.print(f"tenant {tenant_id}: {policy}")
+
+
 @admin_app.command("create-key")
 def admin_create_key(
     tenant_id: str,

@@ -315,3 +315,21 @@ class TooManyStreams(ApiError):
 
     def __init__(self, limit: int) -> None:
         super().__init__(f"this server already serves {limit} event streams", limit=limit)
+
+
+class TenantQueueFull(ApiError):
+    """The tenant already has as many runs in the system (running and queued) as its limits allow;
+    retry after `retry_after_s`, when some have finished."""
+
+    category = Category.RESOURCE_EXHAUSTED
+    reason = "TENANT_QUEUE_FULL"
+
+    def __init__(self, tenant_id: str, backlog: int, capacity: int, retry_after_s: float) -> None:
+        super().__init__(
+            f"tenant {tenant_id} has {backlog} runs queued or running, its limit is {capacity}; "
+            f"retry in {retry_after_s:g}s",
+            tenant_id=tenant_id,
+            backlog=backlog,
+            limit=capacity,
+        )
+        self.retry_after_s = retry_after_s

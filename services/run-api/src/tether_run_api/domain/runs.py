@@ -6,7 +6,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
-from tether_contracts.records import AgentSpec, Caps, SubmitRun, ToolSpec
+from tether_contracts.records import AgentSpec, Caps, SubmitRun, TenantLimits, ToolSpec
 from tether_run_api.domain.auth import Principal
 from tether_run_api.domain.catalog import CapsDraft, canonical_json, check_agent_id, check_tool_name
 from tether_run_api.domain.errors import FieldViolation, InvalidArgument
@@ -118,8 +118,10 @@ def build_submit(
     agent: AgentSpec,
     tools: list[ToolSpec],
     grants: list[str],
+    tenant_limits: TenantLimits | None = None,
 ) -> SubmitRun:
-    """The SubmitRun command: everything the run needs, snapshotted so the log alone explains it."""
+    """The SubmitRun command: everything the run needs, snapshotted so the log alone explains it
+    (with the tenant's limits for the run's partition lane, when the tenant has any)."""
     return SubmitRun(
         request_id=req.request_id,
         principal_id=principal.principal_id,
@@ -129,6 +131,7 @@ def build_submit(
         caps=effective_caps(agent.caps, req.caps),
         tenant_grants=sorted(set(grants)),
         delegated_scope=None if req.delegated_scope is None else sorted(set(req.delegated_scope)),
+        tenant_limits=tenant_limits,
     )
 
 

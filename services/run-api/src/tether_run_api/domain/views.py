@@ -19,6 +19,7 @@ class RunStatus(str, Enum):
     COMPLETED = "COMPLETED"
     TERMINATED = "TERMINATED"
     REJECTED = "REJECTED"
+    QUEUED = "QUEUED"  # waiting in its tenant's queue for a concurrency slot
 
     @property
     def finished(self) -> bool:
