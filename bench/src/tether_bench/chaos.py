@@ -54,8 +54,8 @@ class ChaosSettings(BaseSettings):
     tenants: int = 3
     concurrency: int = Field(24, description="Runs in flight.")
     instances: int = Field(2, ge=1, description="Instances of budget, planner and tool-gateway (slots 0..n-1).")
-    kill_every_min_s: float = 4.0
-    kill_every_max_s: float = 12.0
+    kill_every_min_s: float = 3.0
+    kill_every_max_s: float = 9.0
     restart_after_min_s: float = 0.5
     restart_after_max_s: float = 5.0
     kafka_restarts: int = Field(0, description="Broker restarts; 0 = one per 4 minutes, at least one.")
@@ -167,31 +167,32 @@ class Chaos:
         kafka = self.s.kafka_restarts or per
         pg = self.s.postgres_restarts or per
         plan = []
-        for count, comp, offset in ((kafka, "kafka", 0.3), (pg, "postgres", 0.6)):
+        for count, comp, offset in ((kafka, "kafka", 0.2), (pg, "postgres", 0.55)):
             for i in range(count):
                 slot = (i + offset) / count
                 plan.append((self.s.seconds * min(0.9, slot + self.rng.uniform(-0.05, 0.05)), comp))
         return sorted(plan)
 
-    def _fault_loop(self, began: float) -> None:
-        plan = self._stack_schedule()
-        next_kill = time.monotonic() + self.rng.uniform(self.s.kill_every_min_s, self.s.kill_every_max_s)
-        while not self._stop_faults.is_set():
-            now = time.monotonic()
-            if plan and now - began >= plan[0][0]:
-                _, comp = plan.pop(0)
-                try:
-                    self._restart_stack(comp)
-                except BenchError as exc:
-                    self.note(fault=f"{comp}_restart", phase="failed", error=str(exc)[:300])
-                    raise
-                continue
-            if now >= next_kill:
+    def _kill_loop(self) -> None:
+        """SIGKILL a random service instance every few seconds (each restarted after a short delay)."""
+        while not self._stop_faults.wait(self.rng.uniform(self.s.kill_every_min_s, self.s.kill_every_max_s)):
+            with self._lock:
                 candidates = [n for n in self.services() if n not in self._down]
-                if candidates:
-                    self._kill_and_restart(self.rng.choice(candidates))
-                next_kill = now + self.rng.uniform(self.s.kill_every_min_s, self.s.kill_every_max_s)
-            self._stop_faults.wait(0.2)
+            if candidates:
+                self._kill_and_restart(self.rng.choice(candidates))
+
+    def _stack_loop(self, began: float) -> None:
+        """Restart the broker and the database at their planned times (every planned restart happens,
+        even when an earlier one ran long)."""
+        for at, component in self._stack_schedule():
+            wait = at - (time.monotonic() - began)
+            if wait > 0:
+                time.sleep(wait)
+            try:
+                self._restart_stack(component)
+            except BenchError as exc:
+                self.note(fault=f"{component}_restart", phase="failed", error=str(exc)[:300])
+                raise
 
     def _supervise(self) -> None:
         """Restart services that exited on their own (as a Kubernetes controller would), and count them."""
@@ -238,12 +239,17 @@ class Chaos:
                 self.load.sample()
 
         threading.Thread(target=sample, daemon=True).start()
-        fault_error: BaseException | None = None
-        faults = threading.Thread(target=self._fault_loop, args=(began,), daemon=True)
-        faults.start()
-        faults.join(self.s.seconds)
+        kills = threading.Thread(target=self._kill_loop, daemon=True)
+        stack = threading.Thread(target=self._stack_loop, args=(began,), daemon=True)
+        kills.start()
+        stack.start()
+        stack.join(self.s.seconds)
+        remaining = self.s.seconds - (time.monotonic() - began)
+        if remaining > 0:
+            time.sleep(remaining)
+        stack.join()  # a restart still under way finishes (it may outlast the period)
         self._stop_faults.set()
-        faults.join()
+        kills.join()
         for thread in self._restarts:
             thread.join(timeout=300)
         self.note(event="faults_stopped", after_s=round(time.monotonic() - began, 1))
