@@ -457,6 +457,12 @@ def tools_disable(name: str, version: Annotated[int, typer.Option(help="0 = ever
     render.console.print(f"disabled {name} versions {list(resp.disabled_versions) or '(already disabled)'}")
 
 
+from tether_run_api.cli import user_tools  # noqa: E402 (its commands join tools_app)
+
+tools_app.command("import-mcp")(user_tools.import_mcp)
+tools_app.command("update")(user_tools.update)
+
+
 # -- admin (PostgreSQL) ----------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from tether_contracts.records import AgentSpec, Caps, ModelRef, RiskClass, ToolS
 # The gateway enforces the constraints; parsing them with its own (pure) parser here means a
 # tool is refused at registration rather than failing closed on every call later.
 from tether_tool_gateway.domain.constraints import ConstraintsInvalid, parse_constraints
+from tether_tool_gateway.domain.executor_config import executor_config_problems
 from tether_run_api.domain.errors import FieldViolation, InvalidArgument
 
 AGENT_ID = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
@@ -229,6 +230,9 @@ def validate_tool(draft: ToolDraft, limits: CatalogLimits, *, path: str = "tool"
         draft.executor_config_json, f"{path}.executor_config_json", limits.max_executor_config_bytes, empty_ok=True
     )
     v += cv
+    if config is not None:
+        v += [FieldViolation(f"{path}.executor_config_json", problem)
+              for problem in executor_config_problems(draft.executor_kind, config)]
     constraints, cons_v = _json_object(
         draft.constraints_json, f"{path}.constraints_json", limits.max_constraints_bytes, empty_ok=True
     )
