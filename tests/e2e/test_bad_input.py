@@ -83,8 +83,8 @@ def violations(err: grpc.RpcError) -> set[str]:
 
 
 def submit_request(goal: str = "[scenario:e2e-bystander] hello", **kw) -> runs_pb.SubmitRunRequest:
-    return runs_pb.SubmitRunRequest(request_id=kw.pop("request_id", str(uuid.uuid4())), agent_id=kw.pop("agent_id", "demo"),
-                                    goal=goal, **kw)
+    request_id, agent_id = kw.pop("request_id", str(uuid.uuid4())), kw.pop("agent_id", "demo")
+    return runs_pb.SubmitRunRequest(request_id=request_id, agent_id=agent_id, goal=goal, **kw)
 
 
 def test_malformed_requests_are_invalid_argument_naming_every_bad_field(baseline, tether_system):

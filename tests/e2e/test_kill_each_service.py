@@ -83,7 +83,7 @@ class KillPlan:
         return seen >= self.after_event
 
     def __str__(self) -> str:
-        where = "once parked on the approval" if self.after_event is None else f"after streamed event {self.after_event}"
+        where = f"after streamed event {self.after_event}" if self.after_event else "once parked on the approval"
         text = f"seed {SEED}: SIGKILL {self.service} {where} + {self.delay_ms} ms"
         if self.killed_ms:
             text += (f" (killed at {self.killed_ms} ms, ready again at {self.restarted_ms} ms, "
