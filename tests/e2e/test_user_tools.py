@@ -41,15 +41,18 @@ pytestmark = pytest.mark.e2e
 
 SCENARIOS = Path(__file__).parent / "scenarios"
 SINK_DELAY_MS = 4_000
+#: The team's token: in the gateway's secret source (environment) only; team_lookup sends it as a header.
+SECRET = "tok-e2e-7f3a9c2d5b8e41f6a0c9d7e3b1f5a8c2"
 OUTCOMES = (ToolCallCompleted, ToolCallFailed, ToolCallDenied, ToolCallOutcomeUnknown)
 ARGS_SCHEMA = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 200}}, "required": ["q"],
                "additionalProperties": False}
 
 
-def http_tool(name: str, url: str, *, idempotent: bool) -> ToolSpec:
+def http_tool(name: str, url: str, *, idempotent: bool, headers: dict[str, str] | None = None) -> ToolSpec:
+    config = {"url": url, **({"headers": headers} if headers else {})}
     return ToolSpec(name=name, version=1, description=f"The team's {name} service.",
                     args_schema_json=json.dumps(ARGS_SCHEMA), risk_class=RiskClass.WRITE, idempotent=idempotent,
-                    untrusted_source=False, executor_kind="http", executor_config_json=json.dumps({"url": url}),
+                    untrusted_source=False, executor_kind="http", executor_config_json=json.dumps(config),
                     timeout_ms=20_000)
 
 
@@ -68,6 +71,8 @@ def tether_system(kafka_bootstrap: str, pg_dsn: str, redis_url: str, mcp_server:
         kafka_bootstrap=kafka_bootstrap, pg_dsn=pg_dsn, redis_url=redis_url,
         workdir=tmp_path_factory.mktemp("tether-user-tools"), partitions=2, scenarios=[SCENARIOS],
         sink_delay_ms={"http": SINK_DELAY_MS},
+        extra_env={"tool-gateway": {"TETHER_GATEWAY_SECRETS_ENV_PREFIX": "TEAMSECRET_",
+                                    "TEAMSECRET_TEAM_TOKEN": SECRET}},
     ))
     try:
         system.start()
@@ -88,7 +93,8 @@ def register_team_tools(system: TetherSystem, mcp_server: RunningMcpServer) -> N
     from tether_tool_gateway.builtin_tools import builtin_tool_specs
 
     base = system.sink_urls["http"]
-    team = [http_tool("team_lookup", f"{base}/team/lookup", idempotent=True),
+    team = [http_tool("team_lookup", f"{base}/team/lookup", idempotent=True,
+                      headers={"Authorization": "Bearer secret://team/token"}),
             http_tool("team_note", f"{base}/team/note", idempotent=True),
             http_tool("team_ticket", f"{base}/team/ticket", idempotent=False)]
     team += tool_specs_from_mcp(mcp_server.url, list_mcp_tools(mcp_server.url), prefix="demo_",
@@ -143,8 +149,15 @@ def crash_gateway(system: TetherSystem) -> None:
     system.restart("tool-gateway")
 
 
+def ledger_text(system: TetherSystem, pg_dsn: str) -> str:
+    with psycopg.connect(pg_dsn) as conn:
+        rows = conn.execute(sql.SQL("SELECT * FROM {}.tool_calls").format(
+            sql.Identifier(system.names.gateway_schema))).fetchall()
+    return repr(rows)
+
+
 @pytest.mark.timeout(300)
-def test_an_agent_uses_a_teams_http_tool_and_mcp_tool(tether_system, mcp_server, runs, event_log):
+def test_an_agent_uses_a_teams_http_tool_and_mcp_tool(tether_system, mcp_server, runs, event_log, pg_dsn):
     system = tether_system
     run_id = system.client.submit("[scenario:e2e-user-tools] Look the order up and add.")
     run = runs.wait_for_end(run_id)
@@ -169,6 +182,15 @@ def test_an_agent_uses_a_teams_http_tool_and_mcp_tool(tether_system, mcp_server,
     assert {"tool": "add", "args": {"a": 2, "b": 40}} in mcp_server.calls
     assert done["1.1"].untrusted and json.loads(done["1.1"].result_json)["structured_content"] == {"result": 42}
     assert sorted(p.call_id for p in payloads if isinstance(p, ToolCallBudgeted)) == ["1.0", "1.1"]
+    # The secret header reached the service (which echoed it back) and nothing else: not the log of
+    # events (the echo was redacted), not the ledger, not the gateway's log.
+    assert lookup["authorization"] == f"Bearer {SECRET}"
+    assert "[REDACTED" in done["1.0"].result_json
+    assert SECRET not in repr(event_log.run(run_id)) and SECRET not in repr(payloads)
+    assert SECRET not in ledger_text(system, pg_dsn)
+    for name in system.processes:
+        log_file = system.log_path(name)
+        assert not log_file.exists() or SECRET not in log_file.read_text(errors="replace"), name
 
 
 @pytest.mark.timeout(300)
