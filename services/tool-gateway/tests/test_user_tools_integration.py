@@ -172,7 +172,7 @@ def test_a_secret_header_reaches_the_service_and_nothing_else(env, http, capsys)
 # -- MCP -------------------------------------------------------------------------------------------
 def test_an_mcp_servers_tools_are_listed_and_called_through_the_gateway(env, mcp_server):
     tools = list_mcp_tools(mcp_server.url)
-    assert {t.name for t in tools} == {"add", "shout", "fail"}
+    assert {t.name for t in tools} == {"add", "shout", "fail", "blob"}
     specs = {s.name: s for s in tool_specs_from_mcp(mcp_server.url, tools, prefix="demo_")}
     add = specs["demo_add"]
     # The most restrictive class until an operator says otherwise.
@@ -201,3 +201,13 @@ def test_an_mcp_server_off_the_allowlist_is_never_contacted(env, mcp_server):
     _, outcome = env.run(spec, {"a": 1, "b": 2})
     assert isinstance(outcome, Failed) and "not allowed" in outcome.detail
     assert mcp_server.calls == []
+
+
+def test_an_oversized_mcp_answer_is_refused(env, mcp_server):
+    [spec] = [s for s in tool_specs_from_mcp(mcp_server.url, list_mcp_tools(mcp_server.url)) if s.name == "blob"]
+    config = json.loads(spec.executor_config_json) | {"max_response_bytes": 64 * 1024}
+    spec = spec.model_copy(update={"executor_config_json": json.dumps(config)})
+    _, small = env.run(spec, {"size": 1000}, call_index=0)
+    assert isinstance(small, Completed)
+    _, outcome = env.run(spec, {"size": 2 * 1024 * 1024}, call_index=1)
+    assert isinstance(outcome, Failed) and outcome.error_code == "OVERSIZED_RESULT", outcome

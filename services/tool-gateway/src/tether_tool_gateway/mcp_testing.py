@@ -29,7 +29,7 @@ class RunningMcpServer:
 
 
 def demo_server(calls: list[dict[str, Any]]) -> MCPServer:
-    """A server with `add(a, b)`, `shout(text)` and `fail(reason)` (which raises)."""
+    """A server with `add(a, b)`, `shout(text)`, `fail(reason)` (which raises) and `blob(size)`."""
     server = MCPServer("tether-demo")
 
     @server.tool(description="Add two integers.")
@@ -46,6 +46,11 @@ def demo_server(calls: list[dict[str, Any]]) -> MCPServer:
     def fail(reason: str) -> str:
         calls.append({"tool": "fail", "args": {"reason": reason}})
         raise ValueError(reason)
+
+    @server.tool(description="Answer `size` bytes of text.")
+    def blob(size: int) -> str:
+        calls.append({"tool": "blob", "args": {"size": size}})
+        return "x" * size
 
     return server
 

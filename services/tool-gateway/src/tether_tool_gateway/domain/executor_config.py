@@ -62,8 +62,8 @@ def executor_config_problems(kind: str, config: dict[str, Any]) -> list[str]:
     if kind not in ("http", "mcp"):
         return []
     problems = _url_problems(config) + _header_problems(config)
+    problems += _int_problem(config, "max_response_bytes", 1, _MAX_RESPONSE_BYTES)
     if kind == "http":
-        problems += _int_problem(config, "max_response_bytes", 1, _MAX_RESPONSE_BYTES)
         problems += _int_problem(config, "max_attempts", 1, _MAX_ATTEMPTS)
         problems += _int_problem(config, "attempt_timeout_ms", 100, 600_000)
     elif not isinstance(config.get("tool"), str) or not config["tool"]:

@@ -5,6 +5,7 @@ Config (ToolSpec.executor_config_json):
   tool          the tool's name on the server (Tether's name may differ: it must match [a-z][a-z0-9_]*)
   headers       extra headers; values may hold `secret://name` handles, resolved at execution time
   allow_hosts   hosts the tool may contact (default: the url's host)
+  max_response_bytes  an answer announcing more (Content-Length), or one SSE event larger, fails (default 1 MiB)
 
 The gateway opens a session, calls `tools/call` with the validated arguments (the call's idem_key
 goes in the request's `_meta` as `tether/idempotency_key`), and records the result; a result the
@@ -36,12 +37,25 @@ EXECUTOR_KIND = "mcp"
 IDEMPOTENCY_META_KEY = "tether/idempotency_key"
 _DEADLINE_MARGIN_S = 0.25
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
 
 
-def _client(url: httpx.URL, headers: dict[str, str], timeout_s: float) -> Client:
+class OversizedAnswer(Exception):
+    """The server announced an answer larger than the tool's cap (raised before it is read)."""
+
+
+def _client(url: httpx.URL, headers: dict[str, str], timeout_s: float,
+            max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> Client:
+    async def check_size(response: httpx2.Response) -> None:
+        declared = response.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            raise OversizedAnswer(f"the MCP server announced {declared} bytes; the limit is {max_bytes}")
+
     # follow_redirects off as well: the SDK itself only follows same-origin redirects.
-    http = httpx2.AsyncClient(headers=headers, timeout=timeout_s, follow_redirects=False, trust_env=False)
-    return Client(streamable_http_client(str(url), http_client=http), read_timeout_seconds=timeout_s)
+    http = httpx2.AsyncClient(headers=headers, timeout=timeout_s, follow_redirects=False, trust_env=False,
+                              event_hooks={"response": [check_size]})
+    return Client(streamable_http_client(str(url), http_client=http, max_sse_event_size=max_bytes),
+                  read_timeout_seconds=timeout_s)
 
 
 def _flatten(exc: BaseException) -> BaseException:
@@ -51,7 +65,24 @@ def _flatten(exc: BaseException) -> BaseException:
     return exc
 
 
+def _find(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    seen: list[BaseException] = [exc]
+    while seen:
+        cur = seen.pop()
+        if isinstance(cur, kind):
+            return cur
+        if isinstance(cur, BaseExceptionGroup):
+            seen.extend(cur.exceptions)
+        for nxt in (cur.__cause__, cur.__context__):
+            if nxt is not None and nxt not in seen:
+                seen.append(nxt)
+    return None
+
+
 def _transport_error(exc: BaseException, what: str) -> ToolError:
+    oversized = _find(exc, OversizedAnswer)
+    if oversized is not None:
+        return ToolError("OVERSIZED_RESULT", str(oversized))
     inner = _flatten(exc)
     if isinstance(inner, (TimeoutError, httpx2.TimeoutException)):
         return ToolError("TIMEOUT", f"the MCP server did not answer {what} in time", retryable=True)
@@ -73,15 +104,18 @@ class McpToolExecutor:
             raise ToolError("EXECUTOR_UNAVAILABLE", "executor config has no 'tool' (the server's tool name)")
         headers = _headers(config, secrets)
         timeout = max(0.1, request.timeout_s - _DEADLINE_MARGIN_S)
+        max_bytes = config.get("max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES)
+        if not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ToolError("EXECUTOR_UNAVAILABLE", "executor config 'max_response_bytes' must be a positive integer")
         if not isinstance(request.args, dict):
             raise ToolError("TOOL_ERROR", "MCP tool arguments must be a JSON object")
-        return anyio.run(self._call, url, headers, remote, request.args, request.idem_key, timeout)
+        return anyio.run(self._call, url, headers, remote, request.args, request.idem_key, timeout, max_bytes)
 
     async def _call(self, url: httpx.URL, headers: dict[str, str], remote: str, args: dict[str, Any],
-                    idem_key: str, timeout: float) -> Any:
+                    idem_key: str, timeout: float, max_bytes: int) -> Any:
         try:
             with anyio.fail_after(timeout):
-                async with _client(url, headers, timeout) as client:
+                async with _client(url, headers, timeout, max_bytes) as client:
                     result = await client.call_tool(remote, args, meta={IDEMPOTENCY_META_KEY: idem_key})
         except ToolError:
             raise
