@@ -18,8 +18,9 @@ MIN_SECRET_LENGTH = 6
 _MIN_FORM_LENGTH = 8
 
 # Line breaks (with the indentation around them) a value may have been wrapped at: PEM bodies,
-# base64 wrapped at 64/76 columns, a long token split over log lines.
-_BREAK = re.compile(r"[ \t]*\r?\n[ \t]*")
+# base64 wrapped at 64/76 columns, a long token split over log lines. Also as JSON escapes: the
+# gateway redacts a tool's result as canonical JSON text, where a line break is the two characters \n.
+_BREAK = re.compile(r"[ \t]*(?:\r?\n|(?:\\r)?\\n)[ \t]*")
 
 SECRET = "secret"
 
@@ -316,7 +317,7 @@ class Redactor:
     # -- internals ---------------------------------------------------------------------------------
 
     def _known_spans(self, known: re.Pattern[str], text: str) -> list[Finding]:
-        if "\n" not in text:
+        if "\n" not in text and "\\n" not in text:
             return [Finding(m.start(), m.end(), SECRET) for m in known.finditer(text)]
         # Search the text with line breaks removed, then map each hit back to the original span.
         kept: list[str] = []
