@@ -66,17 +66,18 @@ class BenchSettings(BaseSettings):
     submit_threads: int = 16
     steps: int = Field(5, ge=2, description="Steps per run (model-call rounds; the last one answers).")
     warmup_s: float = 8.0
-    throughput_s: float = 40.0
-    probe_runs: int = 20
+    throughput_s: float = 30.0
+    probe_runs: int = 10
     latency_ms: int = Field(1000, description="Model latency of the latency-bound variant (per turn).")
     latency_concurrency: int = 64
-    latency_s: float = 25.0
-    peer_s: float = 25.0
+    latency_s: float = 20.0
+    peer_s: float = 20.0
     peer_processes: int = 0  # 0 = one per CPU
     recovery_rounds: int = 1
     recovery_concurrency: int = 16
-    park_s: float = 60.0
+    park_s: float = 40.0
     park_max: int = 100_000
+    park_inflight: int = Field(256, description="Most runs submitted but not yet parked (bounded backlog).")
     phases: str = Field("throughput,probe,latency,peer,recovery,park", description="Which phases to run.")
     profile: bool = Field(False, description="py-spy record budget/planner/tool-gateway during the throughput phase.")
 
@@ -314,13 +315,23 @@ class Bench:
         return None
 
     def phase_park(self) -> None:
+        """Park as many runs on an approval as the time bound allows, with at most `park_inflight` runs
+        submitted but not parked yet (a flood would only measure the backlog), then compare RSS."""
         pids = self.service_pids()
         time.sleep(2)
         before = {name: rss_kb(pid) for name, pid in pids.items()}
         deadline = time.monotonic() + self.scaled(self.s.park_s)
-        submitted: list[str] = []
+        submitted: set[str] = set()
+        parked: set[str] = set()
+        early: set[str] = set()
         lock = threading.Lock()
         clients = [t.client for t in self.tenants]
+
+        def on_approval(approval) -> None:
+            with lock:
+                (parked if approval.run_id in submitted else early).add(approval.run_id)
+
+        self.observer.on_approval.append(on_approval)
 
         def submitter(i: int) -> None:
             client = clients[i % len(clients)]
@@ -328,36 +339,52 @@ class Bench:
                 with lock:
                     if len(submitted) >= self.s.park_max:
                         return
+                    backlog = len(submitted) - len(parked)
+                if backlog >= self.s.park_inflight:
+                    time.sleep(0.05)
+                    continue
                 try:
                     run_id, *_ = submit_until_accepted(client, self.park.goal(), give_up_after_s=30)
                 except Exception:  # noqa: BLE001 - overload shows as errors; count what parked
                     time.sleep(0.2)
                     continue
                 with lock:
-                    submitted.append(run_id)
+                    submitted.add(run_id)
+                    if run_id in early:
+                        parked.add(run_id)
 
         began = time.monotonic()
-        with ThreadPoolExecutor(self.s.submit_threads) as pool:
-            list(pool.map(submitter, range(self.s.submit_threads)))
-        submit_s = time.monotonic() - began
-
-        def parked() -> int:
-            return sum(1 for r in submitted if any(e.event_type == APPROVAL_REQUESTED for e in self.observer.events(r))
-                       and not self.observer.is_terminal(r))
-
-        self.observer.wait_count(lambda: parked() >= len(submitted), 120)
+        try:
+            with ThreadPoolExecutor(self.s.submit_threads) as pool:
+                list(pool.map(submitter, range(self.s.submit_threads)))
+            submit_s = time.monotonic() - began
+            self.observer.wait_count(lambda: len(parked) >= len(submitted), 120)
+        finally:
+            self.observer.on_approval.remove(on_approval)
         time.sleep(3)
-        count = parked()
-        pids_after = self.service_pids()
-        after = {name: rss_kb(pid) for name, pid in pids_after.items()}
-        growth_kb = sum(after.values()) - sum(before.values())
+        count = len(parked)
+        after = {name: rss_kb(pid) for name, pid in self.service_pids().items()}
+        same = [name for name in before if name in after and pids.get(name) == self.system.processes[name].pid]
+        growth_kb = sum(after[n] - before[n] for n in same)
         self.results["park"] = {
             "submitted": len(submitted), "parked_runs": count, "submit_s": round(submit_s, 1),
+            "parked_per_s": round(count / max(0.001, time.monotonic() - began), 1),
             "rss_mb_before": {k: round(v / 1024, 1) for k, v in before.items()},
             "rss_mb_after": {k: round(v / 1024, 1) for k, v in after.items()},
+            "rss_growth_mb_per_service": {n: round((after[n] - before[n]) / 1024, 1) for n in same},
             "rss_growth_mb": round(growth_kb / 1024, 1),
             "parked_rss_mb_per_10k": round(growth_kb / 1024 / count * 10_000, 1) if count else None,
+            "services_restarted_during_phase": sorted(set(before) - set(same)),
         }
+
+    def check_services(self, phase: str) -> None:
+        """A service that died during a phase is recorded (a finding) and started again."""
+        for name, proc in list(self.system.processes.items()):
+            if name.split("#")[0] in SERVICES and not proc.running:
+                self.results.setdefault("service_crashes", []).append(
+                    {"phase": phase, "service": name, "returncode": proc.returncode})
+                log.warning("%s exited with %s during %s; restarting it", name, proc.returncode, phase)
+                self.system.restart(name)
 
     # -- the whole ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -370,6 +397,7 @@ class Bench:
                 t0 = time.monotonic()
                 print(f"bench: phase {phase} ...", file=sys.stderr, flush=True)
                 getattr(self, f"phase_{phase}")()
+                self.check_services(phase)
                 self.results.setdefault("phase_s", {})[phase] = round(time.monotonic() - t0, 1)
                 print(f"bench: phase {phase} done in {time.monotonic() - t0:.0f}s: "
                       f"{json.dumps(self.results.get(_RESULT_KEY.get(phase, phase)))}", file=sys.stderr, flush=True)
@@ -403,6 +431,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "peer_ratio_steps_per_s": round(steps / peer["steps_per_s"], 2) if steps and peer.get("steps_per_s") else None,
         "latency_bound_steps_per_s_1_planner": lat.get("planners_1", {}).get("steps_per_s"),
         "latency_bound_steps_per_s_2_planners": lat.get("planners_2", {}).get("steps_per_s"),
+        "service_crashes": len(results.get("service_crashes", [])),
         "nproc": results.get("machine", {}).get("nproc"),
         "loadavg_during_run": results.get("load_during_run"),
         "wall_s": results.get("wall_s"),
