@@ -241,3 +241,21 @@ def test_tenant_ledger_clone_leaves_the_committed_one_untouched():
     work.release("a")
     assert work.next_queued() == "b" and work.touched
     assert committed.running == ["a"] and committed.queue == ["b", "c"] and not committed.touched
+
+
+def test_a_tenant_without_limits_gets_no_ledger(harness):
+    for i in range(3):
+        assert types(harness.submit(f"r{i}", limits=TenantLimits())) == ["RunAccepted", "StepGranted"]
+    assert harness.tenant() is None and not harness.ledger("r0").tenant_tracked
+
+
+def test_lifting_the_limits_lets_the_queue_go_and_stops_tracking_new_runs(harness):
+    harness.submit("r1", limits=cap(1, 5))
+    harness.submit("r2", limits=cap(1, 5))
+    harness.submit("r3", limits=cap(1, 5))
+    out = harness.submit("r4", limits=TenantLimits())
+    assert types(out)[:2] == ["RunAccepted", "StepGranted"]
+    assert types(harness.log_payloads("r2")) == ["RunQueued", "RunAccepted", "StepGranted"]
+    assert types(harness.log_payloads("r3")) == ["RunQueued", "RunAccepted", "StepGranted"]
+    assert harness.tenant().running == ["r1", "r2", "r3"] and harness.tenant().queue == []
+    assert not harness.ledger("r4").tenant_tracked

@@ -35,7 +35,7 @@ from tether_budget.domain.decisions import (
 from tether_budget.domain.errors import ProtocolViolation, UnknownRun
 from tether_budget.domain.ledger import Ledger, Reason
 from tether_budget.domain.loopguard import LoopGuard
-from tether_budget.domain.tenancy import TenantLedger, tenant_key
+from tether_budget.domain.tenancy import TenantLedger, no_limits, tenant_key
 from tether_budget.metrics import BudgetMetrics
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
@@ -216,7 +216,12 @@ def submit_run(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
     if existing is not None:
         write_plan(resubmit(existing, command, event_id=env.event_id), existing, ctx, deps=deps, inbound=env)
         return
-    tenant = _load_tenant(ctx, env.tenant_id) if command.tenant_limits is not None else None
+    tenant = None
+    limits = command.tenant_limits
+    if limits is not None and (not no_limits(limits) or ctx.get_state(tenant_key(env.tenant_id)) is not None):
+        # A tenant without limits has no ledger (and its runs cost nothing here), unless it had
+        # limits before: then its ledger takes the new limits and lets the queue go.
+        tenant = _load_tenant(ctx, env.tenant_id)
     ledger, plan = admit(
         command,
         run_id=env.run_id,

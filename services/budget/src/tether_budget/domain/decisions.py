@@ -32,7 +32,7 @@ from tether_budget.domain.loopguard import (
     call_signature,
 )
 from tether_budget.domain.report import termination_report
-from tether_budget.domain.tenancy import TenantLedger
+from tether_budget.domain.tenancy import TenantLedger, no_limits
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
     ApprovalDecided,
@@ -188,9 +188,11 @@ def admit(
         return ledger, _reject(ledger, submit, *problem, now_ms)
     if tenant is None or submit.tenant_limits is None:
         return ledger, _accept(ledger, submit, now_ms, None)
+    tenant.apply_limits(submit.tenant_limits)
+    if no_limits(tenant.limits):
+        return ledger, _accept(ledger, submit, now_ms, None)  # not tracked: nothing to enforce
 
     ledger.tenant_tracked = True
-    tenant.apply_limits(submit.tenant_limits)
     over = tenant.spend_breach(now_ms)
     if over is not None:
         return ledger, _reject(ledger, submit, Reason.TENANT_SPEND_CAP, over, now_ms)

@@ -33,6 +33,12 @@ def is_tenant_key(key: str) -> bool:
     return key.startswith(TENANT_KEY_PREFIX)
 
 
+def no_limits(limits: TenantLimits) -> bool:
+    """Limits that limit nothing: runs submitted under them are not tracked in the tenant ledger
+    (so a tenant without limits costs nothing here, however many runs it has)."""
+    return not (limits.max_concurrent_runs > 0 or limits.spend_cap_usd_micros > 0 or limits.tokens_per_minute > 0)
+
+
 class TenantLedger(BaseModel):
     """One tenant's ledger on one partition lane."""
 
