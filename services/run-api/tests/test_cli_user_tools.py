@@ -1,4 +1,4 @@
-"""`tether tools import-mcp` against a real local MCP server, and `tether tools update`, on a run-api backed by fakes."""
+"""`tether tools import-mcp` against a real local MCP server and `tether tools update`, on a run-api with fakes."""
 
 from __future__ import annotations
 

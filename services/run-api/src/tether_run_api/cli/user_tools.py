@@ -53,8 +53,10 @@ def import_mcp(
     idempotent: Annotated[bool, typer.Option(help="re-running a call is safe")] = False,
     untrusted: Annotated[bool, typer.Option(help="the tools' output is untrusted content")] = True,
     egress: Annotated[bool, typer.Option(help="the tools can move data out or contact people")] = True,
-    header: Annotated[list[str], typer.Option(help="NAME=VALUE sent on each call; put secrets as secret://name")] = [],  # noqa: B006
-    allow_host: Annotated[list[str], typer.Option(help="egress allowlist (default: the URL's host)")] = [],  # noqa: B006
+    header: Annotated[list[str], typer.Option(  # noqa: B006 (typer reads the default, never mutates it)
+        help="NAME=VALUE sent on each call; put secrets as secret://name")] = [],
+    allow_host: Annotated[list[str], typer.Option(  # noqa: B006
+        help="egress allowlist (default: the URL's host)")] = [],
     only: Annotated[list[str], typer.Option(help="import only these server tool names")] = [],  # noqa: B006
     timeout_ms: Annotated[int, typer.Option(help="per-call timeout")] = 30_000,
     dry_run: Annotated[bool, typer.Option(help="list what would be registered, register nothing")] = False,
