@@ -360,10 +360,13 @@ class ProcessorLoop:
     def run(self, stop: threading.Event) -> None:
         """Process until `stop` is set. Raises `FatalLoopError` if the process must restart."""
         cfg = self.config
+        self._producer = Producer(self._producer_config())
         self._pool = FairWorkQueue(cfg.tenant_weights)
         for i in range(cfg.work_threads):
-            threading.Thread(target=self._work_thread, name=f"{self._name}-work-{i}", daemon=True).start()
-        self._producer = Producer(self._producer_config())
+            # Not daemons: at exit the interpreter waits for work already running (as it did for
+            # the executor's threads), so a graceful stop does not cut a tool call in half.
+            # `_shutdown` (below, always) closes the queue, which ends them.
+            threading.Thread(target=self._work_thread, name=f"{self._name}-work-{i}").start()
         try:
             if self._txn:
                 # Fences any earlier incarnation of this slot and aborts its open transaction,
