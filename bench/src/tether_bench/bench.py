@@ -1,11 +1,11 @@
 """`make bench`: Tether's six services on the local stack under a scripted load; the last line printed is one JSON object.
 
 Phases (all in one run, side by side on the same machine):
-  1. throughput: N concurrent clients over several tenants submit runs of a zero-latency scripted
-     agent with an instant tool (kv_get) in a closed loop → steps/s, per-step platform overhead
-     (from the log's recorded_at_ms, minus the model's and the tool's own durations), submit →
-     first event;
-  2. submit probe: one run at a time → submit → first event without load;
+  1. light: a few runs in flight of a zero-latency scripted agent with an instant tool (kv_get) →
+     per-step platform overhead (from the log's recorded_at_ms, minus the model's and the tool's
+     own durations) and submit → first event, without queueing;
+  2. throughput: N concurrent clients over several tenants submit runs of the same agent in a
+     closed loop → steps/s (and the overhead at that load);
   3. latency-bound: the same agent with a slow model (TETHER_BENCH_LATENCY_MS, 1000 ms per turn),
      1 then 2 planner instances (slots 0, 1);
   4. peer: the same agent on LangGraph + AsyncPostgresSaver on the same PostgreSQL → steps/s ratio;
@@ -62,12 +62,13 @@ class BenchSettings(BaseSettings):
     workdir: Path | None = Field(None, description="Logs, sinks, results (default .state/bench/<time>).")
     partitions: int = 6
     tenants: int = 4
-    concurrency: int = Field(64, description="Runs in flight in the throughput phase (clients).")
+    concurrency: int = Field(128, description="Runs in flight in the throughput phase (clients).")
     submit_threads: int = 16
     steps: int = Field(5, ge=2, description="Steps per run (model-call rounds; the last one answers).")
-    warmup_s: float = 8.0
-    throughput_s: float = 30.0
-    probe_runs: int = 10
+    warmup_s: float = 10.0
+    throughput_s: float = 35.0
+    light_concurrency: int = Field(4, description="Runs in flight in the light-load phase (overhead, submit latency).")
+    light_s: float = 25.0
     latency_ms: int = Field(1000, description="Model latency of the latency-bound variant (per turn).")
     latency_concurrency: int = 64
     latency_s: float = 20.0
@@ -78,7 +79,7 @@ class BenchSettings(BaseSettings):
     park_s: float = 40.0
     park_max: int = 100_000
     park_inflight: int = Field(256, description="Most runs submitted but not yet parked (bounded backlog).")
-    phases: str = Field("throughput,probe,latency,peer,recovery,park", description="Which phases to run.")
+    phases: str = Field("light,throughput,latency,peer,recovery,park", description="Which phases to run.")
     profile: bool = Field(False, description="py-spy record budget/planner/tool-gateway during the throughput phase.")
 
 
@@ -190,19 +191,19 @@ class Bench:
                                           stderr=open(self.workdir / f"profile-{name}.log", "w")))
         return procs
 
-    def phase_probe(self) -> None:
-        client = self.tenants[0].client
-        latencies = []
-        for _ in range(self.s.probe_runs):
-            run_id, _req, start_ms, _end = submit_until_accepted(client, self.fast.goal())
-            self.observer.wait_count(lambda r=run_id: bool(self.observer.events(r)), 30)
-            events = self.observer.events(run_id)
-            if events:
-                latencies.append(min(events, key=lambda e: e.seq).seen_ms - start_ms)
-            self.observer.wait_count(lambda r=run_id: self.observer.is_terminal(r), 30)
-        self.results["probe"] = {"runs": len(latencies),
-                                 "submit_to_first_event_ms_p50": rounded(percentile(latencies, 50), 1),
-                                 "submit_to_first_event_ms_p99": rounded(percentile(latencies, 99), 1)}
+    def phase_light(self) -> None:
+        """A light load (a few runs in flight): the platform's own time per step and submit → first
+        event, without the queueing a saturated pipeline adds."""
+        seconds = self.scaled(self.s.light_s)
+        driver, (start, end) = self.closed_loop([self.fast], self.s.light_concurrency, seconds)
+        runs = self.observer.snapshot()
+        figures = throughput(all_steps(runs, driver.submitted), (start, end))
+        latencies = submit_to_first_event({r: s.submit_start_ms for r, s in driver.submitted.items()}, runs)
+        figures["submit_to_first_event_ms_p50"] = rounded(percentile(latencies, 50), 1)
+        figures["submit_to_first_event_ms_p99"] = rounded(percentile(latencies, 99), 1)
+        figures["runs"] = len(driver.submitted)
+        figures["concurrency"] = self.s.light_concurrency
+        self.results["light"] = figures
 
     def phase_latency(self) -> None:
         seconds = self.scaled(self.s.latency_s)
@@ -418,12 +419,16 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
     peer = results.get("peer", {})
     lat = results.get("latency_bound", {})
     steps = tp.get("steps_per_s")
+    light = results.get("light", {})
     return {
         "steps_per_s": steps,
-        "step_overhead_ms_p50": tp.get("step_overhead_ms_p50"),
-        "step_overhead_ms_p99": tp.get("step_overhead_ms_p99"),
-        "submit_to_first_event_ms_p50": results.get("probe", {}).get("submit_to_first_event_ms_p50"),
-        "submit_to_first_event_ms_p50_under_load": tp.get("submit_to_first_event_ms_p50_under_load"),
+        "step_overhead_ms_p50": light.get("step_overhead_ms_p50"),
+        "step_overhead_ms_p99": light.get("step_overhead_ms_p99"),
+        "submit_to_first_event_ms_p50": light.get("submit_to_first_event_ms_p50"),
+        "step_overhead_ms_p50_at_peak": tp.get("step_overhead_ms_p50"),
+        "step_overhead_ms_p99_at_peak": tp.get("step_overhead_ms_p99"),
+        "submit_to_first_event_ms_p50_at_peak": tp.get("submit_to_first_event_ms_p50_under_load"),
+        "concurrency_at_peak": tp.get("concurrency"),
         "parked_runs": results.get("park", {}).get("parked_runs"),
         "parked_rss_mb_per_10k": results.get("park", {}).get("parked_rss_mb_per_10k"),
         "recovery_s_p99": results.get("recovery", {}).get("recovery_s_p99"),

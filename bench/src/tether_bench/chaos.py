@@ -61,7 +61,9 @@ class ChaosSettings(BaseSettings):
     kafka_restarts: int = Field(0, description="Broker restarts; 0 = one per 4 minutes, at least one.")
     postgres_restarts: int = Field(0, description="Database restarts; 0 = one per 4 minutes, at least one.")
     drain_s: float = Field(300, description="How long the runs may take to finish after the faults stop.")
-    sink_delay_ms: int = Field(150, description="KV and SMTP record an effect at once but answer this late.")
+    kv_delay_ms: int = Field(300, description="The KV sink records a write at once but answers this late.")
+    smtp_delay_ms: int = Field(1000, description="The SMTP sink records a message at once but answers this late "
+                                                 "(a kill then often falls between an email and its answer).")
     slow_model_ms: int = Field(300, description="Model latency of half of the runs (widens the windows).")
     keep: bool = Field(False, description="Keep the namespace (topics, schemas) even when every invariant holds.")
 
@@ -103,7 +105,7 @@ class Chaos:
         self.system = TetherSystem(SystemConfig(
             kafka_bootstrap=self.stack.kafka_bootstrap, pg_dsn=self.stack.pg_dsn, redis_url=self.stack.redis_url,
             workdir=self.workdir, namespace=f"chaos_{uuid.uuid4().hex[:8]}", partitions=self.s.partitions,
-            scenarios=[scenarios], sink_delay_ms={"kv": self.s.sink_delay_ms, "smtp": self.s.sink_delay_ms},
+            scenarios=[scenarios], sink_delay_ms={"kv": self.s.kv_delay_ms, "smtp": self.s.smtp_delay_ms},
             extra_env={"run-api": {"TETHER_RUN_API_SUBMIT_RATE_PER_S": huge, "TETHER_RUN_API_SUBMIT_BURST": huge}},
         ))
         self.system.start()
