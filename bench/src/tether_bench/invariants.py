@@ -264,6 +264,9 @@ def check(ev: Evidence) -> dict[str, Any]:
             "completed": sum(1 for r in ev.submitted if runs.get(r, _Run()).terminal == "tether.v1.RunCompleted"),
             "terminated": sum(1 for r in ev.submitted if runs.get(r, _Run()).terminal == "tether.v1.RunTerminated"),
             "waiting_on_human": waiting_on_human,
+            # Runs in the log no client got an id for (a submit that gave up, then was produced by the
+            # run-api's sweeper); not lost, but no client is waiting for them either.
+            "runs_without_a_client": sum(1 for r, run in runs.items() if run.accepted and r not in ev.submitted),
             "events": len(ev.log),
             "effects": sum(len(t) for t in attempts.values()),
             "outcome_unknown_calls": len(unknown_outcomes),
