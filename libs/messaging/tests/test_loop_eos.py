@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from tether_messaging.envelopes import headers_for, make_envelope
 from tether_messaging.partitioner import partition_for
 from tether_messaging.serde import decode_envelope, encode, open_payload
 from tether_messaging.topics import Topics
+from tether_testing.processes import free_port
 
 PROCESSOR = Path(__file__).with_name("eos_processor.py")
 PARTITIONS = 6
@@ -134,10 +137,28 @@ class Fleet:
         self.log_file.flush()
 
     def start(self, slot: int) -> None:
-        env = {**self.env, "TETHER_EOS_INSTANCE_ID": str(slot)}
-        self.procs[slot] = subprocess.Popen(
+        """Start an instance and wait until it serves /healthz: its SIGTERM handler is installed
+        by then, so a later graceful stop is a fair test (a SIGTERM that lands while the
+        interpreter is still importing kills it with the default action, exit -15)."""
+        port = free_port()
+        env = {**self.env, "TETHER_EOS_INSTANCE_ID": str(slot), "TETHER_EOS_METRICS_PORT": str(port)}
+        proc = subprocess.Popen(
             [sys.executable, str(PROCESSOR)], env=env, stdout=self.log_file, stderr=self.log_file
         )
+        self.procs[slot] = proc
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if proc.poll() is not None:
+                raise AssertionError(f"instance {slot} exited {proc.returncode} before serving /healthz")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"instance {slot} did not serve /healthz within 120 s")
+            time.sleep(0.1)
 
     def kill(self, slot: int) -> None:
         proc = self.procs.pop(slot)
