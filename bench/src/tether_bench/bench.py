@@ -1,4 +1,4 @@
-"""`make bench`: Tether's six services on the local stack under a scripted load; the last line printed is one JSON object.
+"""`make bench`: Tether's six services on the local stack under a scripted load; prints one JSON line last.
 
 Phases (all in one run, side by side on the same machine):
   1. light: a few runs in flight of a zero-latency scripted agent with an instant tool (kv_get) →
@@ -35,7 +35,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tether_bench.analysis import all_steps, submit_to_first_event, throughput
 from tether_bench.common import (
-    APPROVAL_REQUESTED,
     LoadSampler,
     StackSettings,
     machine,
@@ -43,7 +42,7 @@ from tether_bench.common import (
     rounded,
     rss_kb,
 )
-from tether_bench.load import ApproverBot, ClosedLoop, Submitted, make_tenants, submit_until_accepted
+from tether_bench.load import ApproverBot, ClosedLoop, make_tenants, submit_until_accepted
 from tether_bench.observer import LogObserver, Seen
 from tether_bench.peer_langgraph import run_peer
 from tether_bench.scenarios import kv_get_steps, park_on_approval, write_scenarios
@@ -133,9 +132,10 @@ class Bench:
 
     def stop(self) -> None:
         self._sampling.set()
-        for closer in (getattr(self, "bot", None), getattr(self, "observer", None)):
-            if closer is not None:
-                closer.close() if hasattr(closer, "close") else closer.stop()
+        if getattr(self, "bot", None) is not None:
+            self.bot.close()
+        if getattr(self, "observer", None) is not None:
+            self.observer.stop()
         system = getattr(self, "system", None)
         if system is not None:
             system.stop()
@@ -235,7 +235,6 @@ class Bench:
         self.bot.enabled = True
         order = ["budget", "planner", "tool-gateway", "approval", "projector", "run-api"]
         samples: list[dict[str, Any]] = []
-        stop = threading.Event()
         driver = ClosedLoop(self.observer, self.tenants, [self.fast, self.approve],
                             concurrency=self.s.recovery_concurrency, submit_threads=8,
                             choose=lambda slot, n: 1 if slot % 4 == 0 else 0)
@@ -248,7 +247,6 @@ class Bench:
                     samples.append(self._recover_once(name))
                     time.sleep(2)
         finally:
-            stop.set()
             driver.finish()
             runner.join(timeout=60)
             driver.drain(60)
@@ -266,10 +264,10 @@ class Bench:
         progressed = threading.Event()
         seen_at: list[float] = []
         kill_ms = time.time() * 1000
-        producer = {"tool-gateway": "tool-gateway"}.get(name, name)
 
         def watch(event: Seen) -> None:
-            if event.producer == producer and event.recorded_at_ms > kill_ms and not progressed.is_set():
+            # The log's `producer` is the service name; after the kill only its successor records.
+            if event.producer == name and event.recorded_at_ms > kill_ms and not progressed.is_set():
                 seen_at.append(event.seen_ms)
                 progressed.set()
 

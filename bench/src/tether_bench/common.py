@@ -1,4 +1,4 @@
-"""Shared pieces of the bench and the chaos run: settings from the environment, statistics, the machine, RSS, the stack."""
+"""Shared pieces of the bench and the chaos run: stack settings, statistics, the machine, RSS, the stack."""
 
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
-"""The chaos run's invariant checker: pure functions of the evidence read independently of the services.
+"""The chaos run's invariant checker: pure functions of evidence read independently of the services.
 
 Evidence: the runs the clients submitted, the run event log (read_committed from offset 0), the
 effect sinks' record files (where effects landed), the scripted model's request log, the
-gateway's idempotency ledger rows, and the fault timeline. Every count but `runs` must be 0.
-
-| field | what is counted |
-|---|---|
-| lost_runs | submitted runs the log never accepted or rejected |
-| stuck_runs | accepted runs not ended, except those legitimately waiting on a human (an approval requested and never decided) |
-| duplicate_effects | idem keys applied more than once at a sink (KV writes applied, emails received) |
-| silent_reexecutions | executions the record does not account for: an effect whose idem key no ToolCallBudgeted names; a non-idempotent call executed twice with no ToolCallOutcomeUnknown; an idempotent call executed again with no fault in between that could have interrupted it; more attempts at the sink than the ledger granted |
-| seq_gaps | problems `verify_chain` finds (gaps, duplicate seqs/events, hash mismatches, ...) |
-| duplicate_model_calls | a second successful model answer for one (run, step, call) that no planner crash explains (no planner kill or broker restart between the two), or requested after the step's ModelCallCompleted was in the log |
-| duplicate_outcomes | more than one ModelCallCompleted per step or terminal outcome per call in the log |
-| unapproved_effects | an email sent for a call the log shows no APPROVED decision for |
+gateway's idempotency ledger rows, and the fault timeline. Every count but `runs` must be 0;
+what each one counts is tabled in docs/benchmarks.md ("make chaos: what is checked").
 """
 
 from __future__ import annotations
@@ -231,7 +221,7 @@ def check(ev: Evidence) -> dict[str, Any]:
     for (run_id, step, call), times in answers.items():
         times.sort()
         done_at = model_done_at.get((run_id, int(step) if step.isdigit() else -1))
-        for earlier, later in zip(times, times[1:]):
+        for earlier, later in zip(times, times[1:], strict=False):
             committed_before = done_at is not None and done_at < later
             if committed_before or not _fault_between(ev.faults, MODEL_FAULTS, earlier, later):
                 duplicate_models += 1
