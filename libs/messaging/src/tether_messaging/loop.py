@@ -49,7 +49,8 @@ from tether_messaging.envelopes import headers_for, make_envelope
 from tether_messaging.errors import Unprocessable
 from tether_messaging.fairqueue import FairWorkQueue
 from tether_messaging.processor import Inbound, Processor, WorkDone
-from tether_messaging.serde import SerdeError, decode_envelope, encode, open_payload
+from tether_messaging.registry import envelope_codec
+from tether_messaging.serde import SerdeError, open_payload
 from tether_messaging.topics import Topics
 from tether_runtime.settings import ServiceSettings
 
@@ -133,6 +134,9 @@ class LoopConfig:
     handler_errors: Literal["dead-letter", "fail"] = "dead-letter"
     consumer_overrides: Mapping[str, Any] = field(default_factory=dict)
     producer_overrides: Mapping[str, Any] = field(default_factory=dict)
+    #: Confluent Schema Registry URL: values are written in its wire format when set (either
+    #: format is read); single-object encoding otherwise.
+    schema_registry_url: str | None = None
 
     @classmethod
     def from_settings(cls, settings: ServiceSettings, **overrides: Any) -> LoopConfig:
@@ -146,6 +150,7 @@ class LoopConfig:
             work_threads=settings.work_threads,
             tenant_weights=dict(settings.tenant_weights),
             session_timeout_ms=settings.session_timeout_ms,
+            schema_registry_url=settings.schema_registry_url,
         )
         values.update(overrides)
         return cls(**values)
@@ -239,7 +244,7 @@ class _Ctx:
 
     def emit_envelope(self, topic: str, envelope: Envelope) -> None:
         self._unit.outputs.append(
-            (topic, self._partition, envelope.run_id.encode(), encode(envelope), headers_for(envelope))
+            (topic, self._partition, envelope.run_id.encode(), self._loop._codec.encode_value(envelope, topic), headers_for(envelope))
         )
 
     def get_state(self, run_id: str) -> Any | None:
@@ -311,6 +316,10 @@ class ProcessorLoop:
 
     def __init__(self, processor: Processor, config: LoopConfig, *, clock_ms: Callable[[], int] | None = None) -> None:
         self.processor = processor
+        # One codec per process. A registry outage raises SchemaRegistryUnavailable, which is
+        # not a SerdeError: it stops the loop (and the supervisor restarts it) instead of
+        # dead-lettering good records.
+        self._codec = envelope_codec(config.schema_registry_url)
         self.config = config
         self._clock_ms = clock_ms or (lambda: int(time.time() * 1000))
         self._name = processor.name
@@ -734,7 +743,7 @@ class ProcessorLoop:
                 RECORDS.labels(self._name, m.topic(), "skipped_replay").inc()
                 return
         try:
-            envelope = decode_envelope(m.value() or b"")
+            envelope = self._codec.decode_value(m.value() or b"")
             payload = open_payload(envelope)
         except SerdeError as exc:
             self._dead_letter(batch, m, exc.reason, exc.detail)

@@ -29,6 +29,11 @@ class ServiceSettings(BaseSettings):
     pg_dsn: str = Field("postgresql://tether@127.0.0.1:5432/tether", validation_alias=_infra("TETHER_PG_DSN"))
     redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias=_infra("TETHER_REDIS_URL"))
     partitions: int = Field(6, ge=1, validation_alias=_infra("TETHER_PARTITIONS"))
+    schema_registry_url: str | None = Field(
+        None,
+        validation_alias=_infra("TETHER_SCHEMA_REGISTRY_URL"),
+        description="Confluent Schema Registry URL; when set, records are written in its wire format.",
+    )
     topic_prefix: str = Field(
         "",
         validation_alias=_infra("TETHER_TOPIC_PREFIX"),

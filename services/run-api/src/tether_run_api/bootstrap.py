@@ -10,6 +10,7 @@ import structlog
 from psycopg_pool import ConnectionPool
 
 from tether_messaging.admin import declare_topics
+from tether_messaging.registry import envelope_codec
 from tether_messaging.topics import Topics
 from tether_run_api import handlers
 from tether_run_api.adapters.backlog import PostgresTenantBacklog
@@ -68,7 +69,10 @@ def build_app(settings: RunApiSettings) -> App:
     redis_client = redis.Redis.from_url(settings.redis_url)
     closers.append(redis_client.close)
     publisher = KafkaCommandPublisher(
-        settings.kafka_bootstrap, topics.commands, delivery_timeout_ms=settings.delivery_timeout_ms
+        settings.kafka_bootstrap,
+        topics.commands,
+        delivery_timeout_ms=settings.delivery_timeout_ms,
+        codec=envelope_codec(settings.schema_registry_url),
     )
     closers.append(publisher.close)
     services = Services(

@@ -12,7 +12,7 @@ from confluent_kafka import KafkaError, Message, Producer
 
 from tether_contracts.records import Envelope
 from tether_messaging.envelopes import headers_for
-from tether_messaging.serde import encode
+from tether_messaging.serde import EnvelopeCodec, SingleObjectCodec
 from tether_run_api.domain.errors import CommandNotDelivered
 
 log = structlog.get_logger("tether_run_api.kafka")
@@ -26,8 +26,10 @@ class KafkaCommandPublisher:
     """
 
     def __init__(self, bootstrap: str, topic: str, *, delivery_timeout_ms: int = 10_000,
-                 client_id: str = "tether-run-api", extra: dict[str, Any] | None = None) -> None:
+                 client_id: str = "tether-run-api", extra: dict[str, Any] | None = None,
+                 codec: EnvelopeCodec | None = None) -> None:
         self.topic = topic
+        self._codec = codec or SingleObjectCodec()
         self._timeout_s = delivery_timeout_ms / 1000.0
         self._producer = Producer({
             "bootstrap.servers": bootstrap,
@@ -63,7 +65,7 @@ class KafkaCommandPublisher:
         try:
             self._producer.produce(
                 self.topic,
-                value=encode(envelope),
+                value=self._codec.encode_value(envelope, self.topic),
                 key=envelope.run_id.encode(),
                 partition=partition,
                 headers=headers_for(envelope),
