@@ -11,6 +11,7 @@ Exit codes: 0 ok, 1 failure, 3 a port is held by a process this state dir did no
 
 from __future__ import annotations
 
+import abc
 import argparse
 import base64
 import contextlib
@@ -183,7 +184,7 @@ def spawn(argv: list[str], log: Path, cwd: Path, **kw) -> subprocess.Popen:
 # Components
 
 
-class Component:
+class Component(abc.ABC):
     """One server of the stack: knows how to start it, check it answers, and stop it."""
 
     name = ""
@@ -200,20 +201,21 @@ class Component:
     def ports(self) -> dict[str, int]:
         return {label: getattr(self.s, field) for label, (field, _) in self.port_settings.items()}
 
-    # -- to implement -----------------------------------------------------------------------
+    # -- each server implements these -----------------------------------------------------
     def check_installed(self) -> None:
         """Raise StackError naming what `make setup` has not installed yet."""
 
+    @abc.abstractmethod
     def is_ours(self, pid: int) -> bool:
         """True if the live PID is the server this state dir started (guards PID reuse)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def start(self) -> tuple[int, Path]:
         """Start the server; return its PID and its log file."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def answers(self) -> bool:
-        raise NotImplementedError
+        """True if the server answers a real request (not just an open port)."""
 
     def after_ready(self) -> None:
         """One-off work once the server answers (create a database, ...)."""
