@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import tempfile
 import time
 import uuid
 
@@ -127,6 +128,7 @@ def main() -> int:
         topic_disable_leader=True,
         consumer_auto_offset_reset="earliest",
         web_enabled=False,
+        datadir=tempfile.mkdtemp(prefix="eval-faust-"),  # not the caller's cwd (the repo root)
         broker_commit_every=500,
         broker_commit_interval=0.5,
     )
