@@ -83,7 +83,10 @@ class BenchSettings(BaseSettings):
 
 
 def _py_spy() -> str | None:
-    return shutil.which("py-spy")
+    # `make bench` runs the venv's python without activating the venv, so its bin/ (where the py-spy
+    # wheel, a bench dependency, puts the binary) need not be on PATH.
+    beside_python = Path(sys.executable).parent / "py-spy"
+    return str(beside_python) if beside_python.is_file() else shutil.which("py-spy")
 
 
 class Bench:
@@ -179,7 +182,7 @@ class Bench:
     def _start_profilers(self, warmup: float, seconds: float) -> list[subprocess.Popen]:
         spy = _py_spy()
         if spy is None:
-            log.warning("TETHER_BENCH_PROFILE set but py-spy is not on PATH; no profile")
+            log.warning("TETHER_BENCH_PROFILE set but py-spy is neither in the venv nor on PATH; no profile")
             return []
         procs = []
         for name in ("budget", "planner", "tool-gateway"):
