@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -75,3 +76,53 @@ def test_a_failing_main_exits_one() -> None:
     )
     assert result.returncode == 1
     assert "fenced" in result.stdout + result.stderr
+
+
+def test_sigusr1_writes_a_heap_snapshot_when_tracemalloc_traces(tmp_path) -> None:
+    import tracemalloc
+
+    from tether_runtime.service import heap_snapshot_path
+
+    code = textwrap.dedent(
+        """
+        import tracemalloc
+        from tether_runtime.service import run
+        # As PYTHONTRACEMALLOC=3 would, but after the imports (tracing them is slow).
+        tracemalloc.start(3)
+        kept = []
+        def main(stop):
+            kept.extend(bytearray(1000) for _ in range(500))  # ~500 KB still referenced
+            print("started", flush=True)
+            stop.wait(60)
+            return 0
+        raise SystemExit(run(main))
+        """
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        os.kill(proc.pid, signal.SIGUSR1)
+        path = heap_snapshot_path(proc.pid, 1, tmp_path)
+        for _ in range(300):
+            if path.exists():
+                break
+            time.sleep(0.05)
+        assert path.exists(), proc.stderr
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    stats = tracemalloc.Snapshot.load(str(path)).statistics("lineno")
+    assert sum(s.size for s in stats if "<string>" in s.traceback[0].filename) >= 500_000
+
+
+def test_without_tracemalloc_sigusr1_is_left_alone() -> None:
+    result = _python(
+        """
+        import signal
+        from tether_runtime.service import install_heap_snapshot_handler
+        print(install_heap_snapshot_handler(), signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL)
+        """
+    )
+    assert result.stdout.strip() == "False True", result.stderr

@@ -1,10 +1,16 @@
-"""Process lifecycle: a stop event set by SIGTERM/SIGINT, and a clean exit code."""
+"""Process lifecycle: a stop event set by SIGTERM/SIGINT, a clean exit code, and heap snapshots on SIGUSR1."""
 
 from __future__ import annotations
 
+import gc
+import itertools
+import os
 import signal
+import tempfile
 import threading
+import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 
 import structlog
 
@@ -22,6 +28,34 @@ def install_stop_handlers(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, _handler)
 
 
+def heap_snapshot_path(pid: int, number: int, directory: str | Path | None = None) -> Path:
+    """Where the `number`-th (1, 2, ...) heap snapshot of process `pid` is written."""
+    return Path(directory or tempfile.gettempdir()) / f"tether-heap-{pid}-{number}.tracemalloc"
+
+
+def install_heap_snapshot_handler() -> bool:
+    """When tracemalloc is tracing (``PYTHONTRACEMALLOC=<frames>`` in the environment, Python's own
+    switch), SIGUSR1 writes a snapshot of the Python heap to `heap_snapshot_path` (in the temp
+    directory, i.e. ``TMPDIR``), after a full garbage collection, so what is still allocated is
+    what is still referenced. Compare two with ``tracemalloc.Snapshot.load(a).compare_to(...)``
+    (the bench's park phase does: TETHER_BENCH_PARK_TRACEMALLOC). Returns whether it installed
+    the handler (a diagnostic only: a process that is not tracing keeps SIGUSR1's default)."""
+    if not tracemalloc.is_tracing():
+        return False
+    numbers = itertools.count(1)
+
+    def _handler(_signum: int, _frame: object) -> None:
+        gc.collect()
+        path = heap_snapshot_path(os.getpid(), next(numbers))
+        partial = path.with_suffix(".partial")
+        tracemalloc.take_snapshot().dump(str(partial))
+        partial.rename(path)  # readers never see a half-written snapshot
+        log.info("heap_snapshot_written", path=str(path), traced_mb=round(tracemalloc.get_traced_memory()[0] / 2**20, 1))
+
+    signal.signal(signal.SIGUSR1, _handler)
+    return True
+
+
 def run(main: Callable[[threading.Event], int | None], *, stop: threading.Event | None = None) -> int:
     """Run `main(stop)` with signal handlers installed; returns the process exit code.
 
@@ -31,6 +65,7 @@ def run(main: Callable[[threading.Event], int | None], *, stop: threading.Event 
     """
     stop = stop or threading.Event()
     install_stop_handlers(stop)
+    install_heap_snapshot_handler()
     try:
         code = main(stop)
     except Exception:
