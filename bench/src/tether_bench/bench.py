@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -35,7 +36,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tether_bench.analysis import all_steps, submit_to_first_event, throughput
 from tether_bench.common import (
+    CpuProbe,
     LoadSampler,
+    StackControl,
     StackSettings,
     machine,
     percentile,
@@ -144,6 +147,16 @@ class Bench:
             system.stop()
             system.drop_data()
 
+    def cpu_pids(self) -> dict[str, int]:
+        """The processes whose CPU the throughput phase accounts: the six services, this bench
+        process (clients, log observer, approver bot), and the Kafka broker if this state dir
+        started it."""
+        pids = {**self.service_pids(), "bench": os.getpid()}
+        broker = StackControl(self.stack.state_dir, sys.executable).pid("kafka")
+        if broker is not None:
+            pids["kafka"] = broker
+        return pids
+
     def service_pids(self) -> dict[str, int]:
         return {name: proc.pid for name, proc in self.system.processes.items()
                 if name.split("#")[0] in SERVICES and proc.running}
@@ -164,12 +177,19 @@ class Bench:
     def phase_throughput(self) -> None:
         warmup, seconds = self.scaled(self.s.warmup_s), self.scaled(self.s.throughput_s)
         profilers = self._start_profilers(warmup, seconds) if self.s.profile else []
+        cpu = CpuProbe(self.cpu_pids())
+        window = [threading.Timer(warmup, cpu.start), threading.Timer(warmup + seconds, cpu.stop)]
+        for timer in window:
+            timer.start()
         driver, (start, end) = self.closed_loop([self.fast], self.s.concurrency, warmup + seconds)
+        for timer in window:
+            timer.join()
         for proc in profilers:
             proc.wait(timeout=120)
         runs = self.observer.snapshot()
         steps = all_steps(runs, driver.submitted)
         figures = throughput(steps, (start + warmup * 1000, end))
+        figures.update(cpu_figures(cpu.used_s(), figures["steps"], seconds))
         latencies = submit_to_first_event({r: s.submit_start_ms for r, s in driver.submitted.items()}, runs)
         figures["submit_to_first_event_ms_p50_under_load"] = rounded(percentile(latencies, 50), 1)
         figures["runs"] = len(driver.submitted)
@@ -412,6 +432,15 @@ class Bench:
 
 
 _RESULT_KEY = {"latency": "latency_bound"}
+
+
+def cpu_figures(used_s: dict[str, float], steps: int, seconds: float) -> dict[str, Any]:
+    """CPU of each process in the measured window: milliseconds per finished step (what a step
+    costs, comparable across runs on a shared machine) and cores busy on average."""
+    return {
+        "cpu_ms_per_step": {name: round(s * 1000 / steps, 2) if steps else None for name, s in used_s.items()},
+        "cpu_cores": {name: round(s / seconds, 2) for name, s in used_s.items()},
+    }
 
 
 def summary(results: dict[str, Any]) -> dict[str, Any]:

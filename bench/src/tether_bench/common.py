@@ -76,6 +76,53 @@ def rss_kb(pid: int) -> int:
     return 0
 
 
+def cpu_s(pid: int) -> float | None:
+    """CPU time (user + system, all threads) a process has used, in seconds, from /proc/<pid>/stat;
+    None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    # Fields after the parenthesised command name (which may contain spaces): utime, stime are 14, 15.
+    fields = stat.rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """CPU time the whole machine spent not idle (all CPUs), in seconds, from /proc/stat."""
+    with open("/proc/stat") as fh:
+        values = [int(v) for v in fh.readline().split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    guest = sum(values[8:10])  # already counted in user / nice
+    return (sum(values) - idle - guest) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuProbe:
+    """CPU seconds each named process (and the whole machine) used between `start` and `stop`."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = dict(pids)
+        self._start: dict[str, float | None] = {}
+        self._stop: dict[str, float | None] = {}
+
+    def _read(self) -> dict[str, float | None]:
+        values: dict[str, float | None] = {name: cpu_s(pid) for name, pid in self.pids.items()}
+        values["machine"] = machine_busy_s()
+        return values
+
+    def start(self) -> None:
+        self._start = self._read()
+
+    def stop(self) -> None:
+        self._stop = self._read()
+
+    def used_s(self) -> dict[str, float]:
+        """Per name, the CPU seconds used in the window (processes that died in it are left out)."""
+        return {name: after - self._start[name] for name, after in self._stop.items()
+                if after is not None and self._start.get(name) is not None}
+
+
 def loadavg() -> tuple[float, float, float]:
     with open("/proc/loadavg") as fh:
         one, five, fifteen = fh.read().split()[:3]
