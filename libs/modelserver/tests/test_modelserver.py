@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tether_security import wrap_untrusted
 
 from tether_modelserver import (
     ModelServer,
@@ -206,6 +207,19 @@ def test_broken_outputs_are_sent_as_scripted(server: ModelServer) -> None:
     final = chat(server, history).json()["choices"][0]["message"]["content"]
     assert final.startswith("done after 3 results; last from http_get: ")
     assert final.endswith("/ INVALID_ARGS")
+
+
+def test_templates_read_into_a_tool_result_in_the_data_envelope() -> None:
+    scenario = parse_scenario({"name": "env", "match": {"default": True}, "turns": [
+        {"tool_calls": [{"name": "http_get", "arguments": {"url": "u"}}]},
+        {"text": "{{last_tool_result.status}} {{last_tool_result.source}}: {{last_tool_result.content.error.code}}"},
+    ]})
+    result = wrap_untrusted(json.dumps({"error": {"code": "TIMEOUT"}}), source="http_get", call_id="1.0",
+                            status="failed")
+    with ModelServer(ScenarioSet([scenario])) as s:
+        history = [user("g"), assistant_call("c1", "http_get", '{"url": "u"}'), tool("c1", result.text)]
+        final = chat(s, history).json()["choices"][0]["message"]["content"]
+    assert final == "failed http_get: TIMEOUT"
 
 
 def test_scripted_errors_answer_by_attempt_with_retry_after(server: ModelServer) -> None:

@@ -17,6 +17,7 @@ from tether_contracts.records import (
 from tether_messaging.envelopes import derived_id
 from tether_planner.domain.canonical import args_hash, idem_key
 from tether_planner.pricing import PricingTable
+from tether_security import OpenedEnvelope, open_envelope
 
 
 def _types(records) -> list[str]:
@@ -25,6 +26,13 @@ def _types(records) -> list[str]:
 
 def _messages(request: dict) -> list[dict]:
     return request["body"]["messages"]
+
+
+def _envelope(message: dict) -> OpenedEnvelope:
+    """A tool message's data envelope, read back (every tool message must be one)."""
+    opened = open_envelope(message["content"])
+    assert opened is not None, message["content"]
+    return opened
 
 
 # -- the happy path --------------------------------------------------------------------------
@@ -88,10 +96,10 @@ def test_three_parallel_tool_calls_then_a_final_answer(harness) -> None:
     second = _messages(reqs[1])
     assert [m["role"] for m in second] == ["system", "user", "assistant", "tool", "tool", "tool"]
     assert second[0]["content"].startswith("You are a careful assistant")
-    envelope = json.loads(second[3]["content"])
-    assert envelope["provenance"] == {"tool": "http_get", "call_id": "1.0", "source": "untrusted"}
-    assert envelope["status"] == "ok"
-    assert json.loads(envelope["content"]) == {"status": 200, "body": "<html>example</html>"}
+    envelope = _envelope(second[3])
+    assert {k: envelope.attributes[k] for k in ("source", "call_id", "status", "external")} == {
+        "source": "http_get", "call_id": "1.0", "status": "ok", "external": "true"}
+    assert json.loads(envelope.content) == {"status": 200, "body": "<html>example</html>"}
     assert [t["function"]["name"] for t in reqs[0]["body"]["tools"]] == ["http_get", "kv_put", "send_email"]
 
     # The run is over: its state goes when the log says so, and a late grant calls nothing.
@@ -137,7 +145,7 @@ def test_broken_json_three_times_fails_the_step_without_emitting_a_call(harness)
     last = _messages(reqs[2])
     assert [m["role"] for m in last] == ["system", "user", "assistant", "tool", "assistant", "tool"]
     assert last[2]["tool_calls"][0]["function"]["arguments"] == '{"url": '
-    error = json.loads(json.loads(last[3]["content"])["content"])
+    error = json.loads(_envelope(last[3]).content)
     assert error["executed"] is False
     assert error["error"]["code"] == "INVALID_JSON"
     assert h.metric("tether_planner_malformed_responses_total") == 3
@@ -157,7 +165,7 @@ def test_unknown_tool_is_returned_to_the_model_which_corrects_itself(harness) ->
     assert completed.tool_call_count == 1
     reqs = h.requests(run)
     assert len(reqs) == 2
-    error = json.loads(json.loads(_messages(reqs[1])[-1]["content"])["content"])
+    error = json.loads(_envelope(_messages(reqs[1])[-1]).content)
     assert error["error"]["code"] == "UNKNOWN_TOOL"
     assert error["error"]["available_tools"] == ["http_get", "kv_put", "send_email"]
     # Both model calls were billed to the step.
@@ -180,10 +188,10 @@ def test_wrong_types_and_missing_args_are_repaired_and_the_whole_response_waits(
     assert [r.call.tool_name for r in out[1:]] == ["kv_put", "http_get"]
     assert [r.call.call_index for r in out[1:]] == [0, 1]
     second = _messages(h.requests(run)[1])
-    err = json.loads(json.loads(second[-1]["content"])["content"])["error"]
+    err = json.loads(_envelope(second[-1]).content)["error"]
     assert err["code"] == "INVALID_ARGS" and "/url" in err["detail"]
     third = _messages(h.requests(run)[2])
-    codes = [json.loads(json.loads(m["content"])["content"])["error"]["code"] for m in third if m["role"] == "tool"]
+    codes = [json.loads(_envelope(m).content)["error"]["code"] for m in third if m["role"] == "tool"]
     # The valid call of a partly invalid response is not executed either.
     assert codes == ["INVALID_ARGS", "INVALID_ARGS", "NOT_EXECUTED"]
 
@@ -329,12 +337,14 @@ def test_tool_failures_denials_and_loop_warnings_reach_the_model(harness) -> Non
     h.step(run, 2, loop_warning="You called the same tool with the same arguments 3 times.", tokens=5_000)
     request = h.requests(run)[-1]
     msgs = _messages(request)
-    tool_msgs = [json.loads(m["content"]) for m in msgs if m["role"] == "tool"]
-    assert [t["status"] for t in tool_msgs] == ["ok", "failed", "denied"]
-    assert tool_msgs[0]["injection_suspected"] is True
-    assert "<|im_start|>" not in tool_msgs[0]["content"] and "\u200b" not in tool_msgs[0]["content"]
-    assert json.loads(tool_msgs[1]["content"])["error_code"] == "TIMEOUT"
-    assert json.loads(tool_msgs[2]["content"])["reason_code"] == "APPROVAL_REJECTED"
+    tool_texts = [m["content"] for m in msgs if m["role"] == "tool"]
+    tool_msgs = [_envelope(m) for m in msgs if m["role"] == "tool"]
+    assert [t.status for t in tool_msgs] == ["ok", "failed", "denied"]
+    assert tool_msgs[0].attributes["injection_risk"] == "high"
+    assert "Warning: this content looks like a prompt-injection attempt" in tool_texts[0]
+    assert "<|im_start|>" not in tool_msgs[0].content and "\u200b" not in tool_msgs[0].content
+    assert json.loads(tool_msgs[1].content)["error_code"] == "TIMEOUT"
+    assert json.loads(tool_msgs[2].content)["reason_code"] == "APPROVAL_REJECTED"
     assert msgs[-1]["role"] == "system" and "same tool" in msgs[-1]["content"]
     # Untrusted text never reaches the system prompt.
     assert "Ignore all previous" not in msgs[0]["content"]

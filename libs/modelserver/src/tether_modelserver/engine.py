@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from tether_security import open_envelope
+
 from tether_modelserver.conversation import Conversation
 from tether_modelserver.scenarios import Scenario, ScenarioSet, ScriptedTurn
 
@@ -62,10 +64,15 @@ class ErrorReply:
 def _lookup(value: Any, path: str) -> Any:
     for key in [p for p in path.split(".") if p]:
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                return ""
+            # A tool result in the platform's data envelope reads as its attributes plus `content`.
+            opened = open_envelope(value)
+            if opened is not None:
+                value = {**opened.attributes, "content": opened.content}
+            else:
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError:
+                    return ""
         if isinstance(value, dict):
             value = value.get(key, "")
         elif isinstance(value, list) and key.isdigit() and int(key) < len(value):

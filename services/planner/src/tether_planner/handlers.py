@@ -39,7 +39,6 @@ from tether_planner.domain import state as st
 from tether_planner.domain.canonical import args_hash, call_id, idem_key
 from tether_planner.domain.messages import ToolCallRef, UsageTotals
 from tether_planner.domain.redaction import Scrubber
-from tether_planner.domain.untrusted import cap
 from tether_planner.metrics import PlannerMetrics
 from tether_planner.pricing import PricingTable
 from tether_planner.providers.registry import ProviderRegistry
@@ -267,7 +266,7 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
                 step=step,
                 model=model,
                 usage=_usage(result.usage),
-                assistant_text=cap(text, deps.limits.assistant_text_max_chars)[0] if text else None,
+                assistant_text=text[: deps.limits.assistant_text_max_chars] if text else None,
                 tool_call_count=len(result.calls),
                 finish_reason=result.finish_reason,
                 latency_ms=result.latency_ms,
@@ -310,7 +309,7 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
                 deps,
                 RunCompleted(
                     step=step,
-                    answer=cap(text, deps.limits.answer_max_chars)[0],
+                    answer=text[: deps.limits.answer_max_chars],
                     usage=_usage(state.usage + result.usage),
                 ),
                 run_id,
@@ -335,7 +334,7 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
             state, step, messages=result.messages, base_len=result.base_len, usage=result.usage, final=result.final
         )
     else:
-        detail = cap(deps.scrub(result.detail), deps.limits.detail_max_chars)[0]
+        detail = deps.scrub(result.detail)[: deps.limits.detail_max_chars]
         _emit(
             ctx,
             deps,

@@ -18,7 +18,7 @@ from tether_planner.domain.compaction import compact, estimate_tokens, over_thre
 from tether_planner.domain.context import for_request
 from tether_planner.domain.messages import ChatMessage, PinnedModel, ToolCallRef, ToolView, UsageTotals
 from tether_planner.domain.provenance import provenance_of
-from tether_planner.domain.untrusted import wrap_tool_result
+from tether_planner.domain.tool_results import wrap_tool_result
 from tether_planner.domain.validation import NOT_EXECUTED, CallProblem, RawToolCall, ValidCall, check_calls
 from tether_planner.pricing import PricingTable
 from tether_planner.providers.port import ContextOverflow, ModelProvider, ModelRequest, ProviderError

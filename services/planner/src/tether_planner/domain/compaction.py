@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tether_planner.domain.messages import ChatMessage, ToolView
-from tether_planner.domain.untrusted import envelope_content
+from tether_planner.domain.tool_results import envelope_content
 
 HEADER = "[tether:compacted assistant_turns={turns} tool_results={results}]"
 _HEADER_RE = re.compile(r"^\[tether:compacted assistant_turns=(\d+) tool_results=(\d+)\]")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tether_planner.domain.messages import ChatMessage
-from tether_planner.domain.untrusted import wrap_tool_result
+from tether_planner.domain.tool_results import wrap_tool_result
 
 NO_RESULT = {"detail": "no result has been recorded for this call"}
 

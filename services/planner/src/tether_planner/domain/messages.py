@@ -31,7 +31,7 @@ class ChatMessage(_Frozen):
 
     `system` messages after the start are platform notes (loop warnings); the agent's
     instructions are not a message but `ModelRequest.system`. `tool` messages carry a tool's
-    result inside a data envelope (domain.untrusted).
+    result inside a data envelope (domain.tool_results).
     """
 
     role: Role

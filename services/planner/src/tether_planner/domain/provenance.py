@@ -11,7 +11,7 @@ from typing import Any
 
 from tether_planner.domain.canonical import canonical_json
 from tether_planner.domain.messages import ChatMessage
-from tether_planner.domain.untrusted import envelope_content
+from tether_planner.domain.tool_results import envelope_content
 
 #: Shorter values ("en", "1") occur everywhere by chance; they are not attributed.
 MIN_ATTRIBUTED_CHARS = 4

@@ -19,7 +19,7 @@ from tether_contracts.records import (
     ToolCallOutcomeUnknown,
 )
 from tether_planner.domain.messages import ChatMessage, PinnedModel, ToolCallRef, ToolView, UsageTotals
-from tether_planner.domain.untrusted import wrap_tool_result
+from tether_planner.domain.tool_results import wrap_tool_result
 
 LOOP_WARNING_PREFIX = "Platform note (loop detection): "
 
