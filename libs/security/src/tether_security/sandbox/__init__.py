@@ -1,5 +1,6 @@
 """The tool sandbox: bubblewrap with namespaces, rlimits, seccomp and a parent-enforced wall clock."""
 
+from tether_security.sandbox.process import SandboxedProcess, SandboxExit
 from tether_security.sandbox.runner import (
     SandboxErrorCode,
     SandboxLimits,
@@ -13,9 +14,11 @@ from tether_security.sandbox.runner import (
 __all__ = [
     "InvalidSandboxRequest",
     "SandboxErrorCode",
+    "SandboxExit",
     "SandboxLimits",
     "SandboxResult",
     "SandboxRunner",
     "SandboxSetupError",
+    "SandboxedProcess",
     "SandboxUnavailable",
 ]

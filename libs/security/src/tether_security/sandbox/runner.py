@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tether_security.sandbox.process import SandboxedProcess, json_documents
 from tether_security.sandbox.seccomp import SeccompUnsupported, build_filter
 
 NOBODY = 65534
@@ -120,6 +121,52 @@ class SandboxResult:
         return self.error_code is None
 
 
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _checked_argv(argv: Sequence[str]) -> list[str]:
+    if isinstance(argv, str) or not argv or not all(isinstance(a, str) and "\x00" not in a for a in argv):
+        raise InvalidSandboxRequest("argv must be a non-empty list of strings without NUL bytes")
+    return list(argv)
+
+
+def _checked_paths(paths: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(paths, str):
+        raise InvalidSandboxRequest("read-only paths must be a list of paths, not one string")
+    for p in paths:
+        if not isinstance(p, str) or not os.path.isabs(p) or "\x00" in p:
+            raise InvalidSandboxRequest(f"read-only path {p!r} must be absolute")
+    return tuple(paths)
+
+
+def _checked_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    env = dict(env or {})
+    for name, value in env.items():
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            raise InvalidSandboxRequest(f"environment variable name {name!r} is not [A-Za-z_][A-Za-z0-9_]*")
+        if not isinstance(value, str) or "\x00" in value:
+            raise InvalidSandboxRequest(f"environment variable {name} must be a string without NUL bytes")
+    return env
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """A bwrap command line with the descriptors to pass it and the read end of its JSON status pipe."""
+
+    cmd: list[str]
+    pass_fds: tuple[int, ...]
+    status_r: int
+    status_w: int
+
+
 def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name, 0)
     os.write(fd, data)
@@ -191,10 +238,7 @@ class SandboxRunner:
                     f"{tool} is missing or not executable; install bubblewrap and util-linux "
                     "(apt-get install bubblewrap util-linux). Refusing to run tools unsandboxed."
                 )
-        self._read_only_paths = tuple(read_only_paths)
-        for p in self._read_only_paths:
-            if not os.path.isabs(p):
-                raise InvalidSandboxRequest(f"read-only path {p!r} must be absolute")
+        self._read_only_paths = _checked_paths(read_only_paths)
         self._seccomp_program: bytes | None = None
         if seccomp:
             try:
@@ -231,6 +275,8 @@ class SandboxRunner:
         workdir: Path | None = None,
         stdin: bytes | None = None,
         limits: SandboxLimits | None = None,
+        read_only_paths: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> SandboxResult:
         """Run `argv` in a fresh sandbox.
 
@@ -239,8 +285,49 @@ class SandboxRunner:
         65534 (chown of the directory itself, not its contents); its disk use is bounded only per
         file (`max_file_bytes`), so give one only to trusted-size work. Every ancestor of
         `workdir` must be searchable by uid 65534 (InvalidSandboxRequest otherwise).
+        `read_only_paths` (absolute) are bound read-only at the same place for this command only,
+        besides the runner's own; `env` adds variables to the command's environment (never on a
+        command line).
         """
-        return self._run(list(argv), workdir=workdir, stdin=stdin, limits=limits, script=None)
+        return self._run(list(argv), workdir=workdir, stdin=stdin, limits=limits, script=None,
+                         read_only_paths=read_only_paths, env=env)
+
+    def start(
+        self,
+        argv: Sequence[str],
+        *,
+        limits: SandboxLimits | None = None,
+        read_only_paths: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> SandboxedProcess:
+        """Start `argv` in a fresh sandbox as a live process with pipes to its stdin and stdout.
+
+        The same sandbox as `run` (namespaces, no network, uid 65534, rlimits, seccomp, a fresh
+        /sandbox tmpfs), for a command that talks with the caller while it runs (e.g. an MCP
+        server over stdio). The wall clock (`limits.wall_seconds`) is enforced by the returned
+        process's watcher thread; close it (or use it as a context manager) to kill what is left
+        and release its descriptors. Output caps are the caller's: it reads stdout itself.
+        """
+        argv = _checked_argv(argv)
+        read_only_paths = _checked_paths(read_only_paths)
+        env = _checked_env(env)
+        limits = limits or self.limits
+        fds: list[int] = []
+        try:
+            launch = self._launch(argv, None, limits, None, fds, read_only_paths=read_only_paths, env=env)
+            started = time.monotonic()
+            popen = subprocess.Popen(  # noqa: S603 - argv is built by _command, never through a shell
+                launch.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=launch.pass_fds, env={}, cwd="/", start_new_session=True, close_fds=True,
+            )
+        except BaseException:
+            _close_all(fds)
+            raise
+        # The child holds its own copies now; only the status pipe's read end stays with the parent.
+        fds.remove(launch.status_r)
+        _close_all(fds)
+        return SandboxedProcess(popen, status_fd=launch.status_r, argv=tuple(argv),
+                                wall_seconds=limits.wall_seconds, started=started)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -252,16 +339,20 @@ class SandboxRunner:
         stdin: bytes | None,
         limits: SandboxLimits | None,
         script: bytes | None,
+        read_only_paths: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> SandboxResult:
-        if not argv or not all(isinstance(a, str) and "\x00" not in a for a in argv):
-            raise InvalidSandboxRequest("argv must be a non-empty list of strings without NUL bytes")
+        argv = _checked_argv(argv)
+        read_only_paths = _checked_paths(read_only_paths)
+        env = _checked_env(env)
         limits = limits or self.limits
         work: Path | None = None
         fds: list[int] = []
         if workdir is not None:
             work = self._prepare_workdir(Path(workdir))
         try:
-            return self._spawn_and_watch(argv, work, stdin, limits, script, fds)
+            return self._spawn_and_watch(argv, work, stdin, limits, script, fds,
+                                         read_only_paths=read_only_paths, env=env)
         finally:
             for fd in fds:
                 try:
@@ -285,7 +376,8 @@ class SandboxRunner:
         return work
 
     def _command(self, argv: list[str], work: Path | None, limits: SandboxLimits, data_fds: Mapping[str, int],
-                 seccomp_fd: int | None, status_fd: int) -> list[str]:
+                 seccomp_fd: int | None, status_fd: int, *, read_only_paths: Sequence[str] = (),
+                 env_args_fd: int | None = None) -> list[str]:
         cmd: list[str] = []
         if self._as_root:
             # A chain of parent-death signals, so a crash of this process cannot leave a sandbox
@@ -317,7 +409,7 @@ class SandboxRunner:
             cmd += ["--perms", "0444", "--ro-bind-data", str(fd), dest]
         for path in _ETC_RO:
             cmd += ["--ro-bind-try", path, path]
-        for path in self._read_only_paths:
+        for path in (*self._read_only_paths, *read_only_paths):
             cmd += ["--ro-bind", path, path]
         if work is None:
             cmd += ["--size", str(limits.work_bytes), "--tmpfs", SANDBOX_DIR]
@@ -332,8 +424,12 @@ class SandboxRunner:
             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
             "--setenv", "HOME", SANDBOX_DIR,
             "--setenv", "LANG", "C.UTF-8",
-            "--json-status-fd", str(status_fd),
         ]
+        if env_args_fd is not None:
+            # The command's own variables, as `--setenv NAME VALUE` arguments bwrap reads from a
+            # memfd: they may hold secrets, and a command line is readable by every host user.
+            cmd += ["--args", str(env_args_fd)]
+        cmd += ["--json-status-fd", str(status_fd)]
         if seccomp_fd is not None:
             cmd += ["--seccomp", str(seccomp_fd)]
         cmd += [
@@ -349,8 +445,11 @@ class SandboxRunner:
         ]
         return cmd
 
-    def _spawn_and_watch(self, argv: list[str], work: Path | None, stdin: bytes | None, limits: SandboxLimits,
-                         script: bytes | None, fds: list[int]) -> SandboxResult:
+    def _launch(self, argv: list[str], work: Path | None, limits: SandboxLimits, script: bytes | None,
+                fds: list[int], *, read_only_paths: Sequence[str] = (),
+                env: Mapping[str, str] | None = None) -> _Launch:
+        """The bwrap command line for `argv` and the descriptors it reads (appended to `fds`, which the
+        caller closes once the sandbox is gone), for `run` and `open_process` alike."""
         data = {"/etc/passwd": _PASSWD.encode(), "/etc/group": _GROUP.encode(), "/etc/hosts": _HOSTS.encode(),
                 "/etc/nsswitch.conf": _NSSWITCH.encode()}
         if script is not None:
@@ -364,18 +463,31 @@ class SandboxRunner:
         if self._seccomp_program is not None:
             seccomp_fd = _memfd("tether-sandbox-seccomp", self._seccomp_program)
             fds.append(seccomp_fd)
-        stdin_fd = _memfd("tether-sandbox-stdin", stdin or b"")
-        fds.append(stdin_fd)
+        env_args_fd = None
+        if env:
+            env_args_fd = _memfd("tether-sandbox-env", b"".join(
+                b"--setenv\0" + name.encode() + b"\0" + value.encode() + b"\0" for name, value in env.items()))
+            fds.append(env_args_fd)
         status_r, status_w = os.pipe()
         fds.append(status_r)
         fds.append(status_w)
+        cmd = self._command(argv, work, limits, data_fds, seccomp_fd, status_w, read_only_paths=read_only_paths,
+                            env_args_fd=env_args_fd)
+        passed = (*data_fds.values(), *(fd for fd in (seccomp_fd, env_args_fd) if fd is not None), status_w)
+        return _Launch(cmd=cmd, pass_fds=passed, status_r=status_r, status_w=status_w)
 
-        cmd = self._command(argv, work, limits, data_fds, seccomp_fd, status_w)
+    def _spawn_and_watch(self, argv: list[str], work: Path | None, stdin: bytes | None, limits: SandboxLimits,
+                         script: bytes | None, fds: list[int], *, read_only_paths: Sequence[str] = (),
+                         env: Mapping[str, str] | None = None) -> SandboxResult:
+        launch = self._launch(argv, work, limits, script, fds, read_only_paths=read_only_paths, env=env)
+        status_r, status_w = launch.status_r, launch.status_w
+        stdin_fd = _memfd("tether-sandbox-stdin", stdin or b"")
+        fds.append(stdin_fd)
+
         started = time.monotonic()
         proc = subprocess.Popen(  # noqa: S603 - argv is built above, never through a shell
-            cmd, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(*data_fds.values(), *([seccomp_fd] if seccomp_fd is not None else []), status_w),
-            env={}, cwd="/", start_new_session=True, close_fds=True,
+            launch.cmd, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=launch.pass_fds, env={}, cwd="/", start_new_session=True, close_fds=True,
         )
         fds.remove(status_w)
         os.close(status_w)
@@ -422,7 +534,7 @@ class SandboxRunner:
                     timed_out = True
                     killed = True
                     kill_tree()
-                if pid_ns is None and _json_documents(bytes(status_buf)):
+                if pid_ns is None and json_documents(bytes(status_buf)):
                     # bwrap has forked the sandbox's init: the wrapper chain is stable now.
                     pid_ns = _sandbox_pid_namespace(proc.pid, hops=2 if self._as_root else 1)
                 if pid_ns is not None and wait_status is None:
@@ -464,7 +576,7 @@ class SandboxRunner:
             proc.stderr.close()
         duration = time.monotonic() - started
 
-        statuses = _json_documents(bytes(status_buf))
+        statuses = json_documents(bytes(status_buf))
         exit_doc = next((d["exit-code"] for d in statuses if "exit-code" in d), None)
         rc = proc.returncode
         exit_code: int | None = None
@@ -495,26 +607,6 @@ class SandboxRunner:
             error_code=error_code, limit_hit=limit_hit, duration_seconds=duration, cpu_seconds=cpu,
             peak_tasks=peak_tasks, argv=tuple(argv),
         )
-
-
-def _json_documents(raw: bytes) -> list[dict]:
-    """bwrap's --json-status-fd writes several JSON objects back to back."""
-    docs: list[dict] = []
-    decoder = json.JSONDecoder()
-    text = raw.decode(errors="replace")
-    i = 0
-    while i < len(text):
-        while i < len(text) and text[i].isspace():
-            i += 1
-        if i >= len(text):
-            break
-        try:
-            doc, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            break  # a partial document at the end: the rest has not arrived yet
-        if isinstance(doc, dict):
-            docs.append(doc)
-    return docs
 
 
 def _sandbox_pid_namespace(root_pid: int, *, hops: int) -> int | None:
