@@ -1,4 +1,4 @@
-"""Work outcomes (results and failures) come back through on_work_done; ticks see owned runs and their states."""
+"""Work outcomes (results and failures) come back through on_work_done; ticks see the owned runs that are due."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class WorkThenExpire:
         self.name = "expire"
         self.inputs = [topics.commands]
         self.output = topics.run_events
+        self.due_without_outcome: list[str] = []
 
     def handle(self, msg: Inbound, ctx: Context) -> None:
         n = msg.payload.step
@@ -51,12 +52,17 @@ class WorkThenExpire:
         outcome = -1 if isinstance(done.error, ValueError) else done.result
         ctx.put_state(done.run_id, Pending(tenant_id=done.tenant_id, outcome=outcome))
 
+    def wake_at_ms(self, state: Pending) -> int | None:
+        return None if state.outcome is None else 0
+
     def on_tick(self, ctx: TickContext) -> None:
         for p in ctx.owned_partitions():
             pctx = ctx.for_partition(p)
-            for run_id in ctx.runs_with_state(p):
+            for run_id in ctx.runs_due(p):
                 state = pctx.get_state(run_id)
-                if state.outcome is not None:
+                if state.outcome is None:
+                    self.due_without_outcome.append(run_id)
+                else:
                     pctx.emit(self.output, StepGranted(step=state.outcome, remaining=REMAINING), run_id=run_id,
                               tenant_id=state.tenant_id, event_id=f"out:{run_id}")
                     pctx.put_state(run_id, None)
@@ -73,8 +79,8 @@ def test_work_results_and_failures_are_delivered_and_ticks_expire_runs(kafka_boo
         producer.produce(topics.commands, encode(env), env.run_id.encode(), partition=n % PARTITIONS)
     assert producer.flush(30) == 0
 
-    loop = ProcessorLoop(WorkThenExpire(topics), LoopConfig(bootstrap=kafka_bootstrap, topics=topics,
-                                                            tick_interval_ms=200))
+    processor = WorkThenExpire(topics)
+    loop = ProcessorLoop(processor, LoopConfig(bootstrap=kafka_bootstrap, topics=topics, tick_interval_ms=200))
     stop = threading.Event()
     errors: list[BaseException] = []
     thread = threading.Thread(target=lambda: _run(loop, stop, errors))
@@ -96,6 +102,7 @@ def test_work_results_and_failures_are_delivered_and_ticks_expire_runs(kafka_boo
         thread.join(60)
         reader.close()
     assert not errors, errors
+    assert processor.due_without_outcome == []  # the due index held back runs still waiting for work
     assert outputs == {f"run-{n}": (-1 if n % 2 else n * 10, n % PARTITIONS) for n in range(1, 13)}
 
     # The tick's tombstones reached the changelog: a restore finds no runs left.

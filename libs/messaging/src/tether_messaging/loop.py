@@ -51,6 +51,7 @@ from tether_messaging.fairqueue import FairWorkQueue
 from tether_messaging.processor import Inbound, Processor, WorkDone
 from tether_messaging.registry import envelope_codec
 from tether_messaging.serde import SerdeError, open_payload
+from tether_messaging.statestore import StateStore
 from tether_messaging.topics import Topics
 from tether_runtime.settings import ServiceSettings
 
@@ -68,8 +69,6 @@ DLQ_TOPIC = "tether-dlq-topic"
 DLQ_PARTITION = "tether-dlq-partition"
 DLQ_OFFSET = "tether-dlq-offset"
 DLQ_WORK_KEY = "tether-dlq-work-key"
-
-_MISSING = object()
 
 # -- metrics -------------------------------------------------------------------------------
 RECORDS = Counter("tether_loop_records_total", "Input records by outcome.", ["service", "topic", "outcome"])
@@ -137,6 +136,13 @@ class LoopConfig:
     #: Confluent Schema Registry URL: values are written in its wire format when set (either
     #: format is read); single-object encoding otherwise.
     schema_registry_url: str | None = None
+    #: Where the per-run state store (`tether_messaging.statestore`, an SQLite cache of the
+    #: changelog) puts its file: a fresh directory inside this one, deleted at shutdown.
+    #: None = the system's temporary directory. Use local disk, not a memory filesystem.
+    state_dir: str | None = None
+    #: Decoded run states kept in memory (LRU); the rest stay encoded on disk until read.
+    #: Enough for the runs in flight keeps the hot path free of decoding.
+    state_cache_runs: int = 256
 
     @classmethod
     def from_settings(cls, settings: ServiceSettings, **overrides: Any) -> LoopConfig:
@@ -151,6 +157,8 @@ class LoopConfig:
             tenant_weights=dict(settings.tenant_weights),
             session_timeout_ms=settings.session_timeout_ms,
             schema_registry_url=settings.schema_registry_url,
+            state_dir=settings.state_dir,
+            state_cache_runs=settings.state_cache_runs,
         )
         values.update(overrides)
         return cls(**values)
@@ -192,8 +200,11 @@ class _Unit:
 @dataclass
 class _Batch:
     now_ms: int
-    undo: dict[tuple[int, str], Any] = field(default_factory=dict)
-    dirty: set[tuple[int, str]] = field(default_factory=set)
+    #: The batch's state changes (None = deleted), read before the store and written to it
+    #: only after the commit: an aborted batch leaves the store as it was.
+    states: dict[tuple[int, str], Any] = field(default_factory=dict)
+    #: The changes as checkpointed: (partition, run id, state, encoded state), for the store.
+    checkpointed: list[tuple[int, str, Any, bytes | None]] = field(default_factory=list)
     starts: list[_Work] = field(default_factory=list)
     delivered: list[_Finished] = field(default_factory=list)
     first_offsets: dict[TP, int] = field(default_factory=dict)
@@ -251,7 +262,10 @@ class _Ctx:
         key = (self._partition, run_id)
         if key in self._unit.states:
             return self._unit.states[key]
-        return self._loop._states.get(self._partition, {}).get(run_id)
+        if key in self._batch.states:
+            return self._batch.states[key]
+        store = self._loop._store
+        return None if store is None else store.get(self._partition, run_id)
 
     def put_state(self, run_id: str, state: Any | None) -> None:
         self._unit.states[(self._partition, run_id)] = state
@@ -288,15 +302,21 @@ class _TickCtx(_Ctx):
     def owned_partitions(self) -> Sequence[int]:
         return sorted(set(self._loop._owned) - self._loop._to_restore)
 
-    def runs_with_state(self, partition: int) -> Sequence[str]:
-        runs = dict.fromkeys(self._loop._states.get(partition, {}))
-        for (p, run_id), state in self._unit.states.items():
-            if p == partition:
-                if state is None:
-                    runs.pop(run_id, None)
-                else:
-                    runs[run_id] = None
-        return list(runs)
+    def runs_due(self, partition: int) -> Sequence[str]:
+        store = self._loop._store
+        if store is None:
+            return []
+        now = self._batch.now_ms
+        # The store's index holds committed states; this batch's changes (so far, and this
+        # tick's own) override it.
+        changed = {run_id: state for (p, run_id), state in [*self._batch.states.items(), *self._unit.states.items()]
+                   if p == partition}
+        due = [(wake, run_id) for wake, run_id in store.due(partition, now) if run_id not in changed]
+        for run_id, state in changed.items():
+            wake = None if state is None else store.wake_at(state)
+            if wake is not None and wake <= now:
+                due.append((wake, run_id))
+        return [run_id for _, run_id in sorted(due)]
 
     def for_partition(self, partition: int) -> _Ctx:
         if partition not in self._loop._owned or partition in self._loop._to_restore:
@@ -330,12 +350,22 @@ class ProcessorLoop:
         self._log = log.bind(processor=processor.name, instance=config.instance_id)
         self._ready = threading.Event()
         self._fatal: KafkaError | None = None
+        # Committed per-run states of the owned partitions, on local disk with a few decoded
+        # in memory, so an idle run costs no memory. None: the processor keeps no state.
+        self._store: StateStore | None = None
+        if processor.state_codec is not None:
+            self._store = StateStore(
+                processor.state_codec,
+                name=processor.name,
+                directory=config.state_dir,
+                cache_runs=config.state_cache_runs,
+                wake_at=getattr(processor, "wake_at_ms", None),
+            )
 
         # Per partition index (the same index on every input topic: range assignment
         # keeps them together). States are the committed view plus this batch's changes.
         self._owned: dict[int, set[str]] = {}
         self._epoch: dict[int, int] = {}
-        self._states: dict[int, dict[str, Any]] = {}
         self._meta_has_holds: dict[int, bool] = {}
         # Per (topic, partition).
         self._next: dict[TP, int] = {}
@@ -504,7 +534,8 @@ class ProcessorLoop:
         self._redeliver = [f for f in self._redeliver if self._work_partition(f) not in gone]
         for p in gone:
             self._owned.pop(p, None)
-            self._states.pop(p, None)
+            if self._store is not None:
+                self._store.drop_partition(p)
             self._meta_has_holds.pop(p, None)
             self._epoch[p] = self._epoch.get(p, 0) + 1
         for d in (self._next, self._holds, self._committed, self._skip):
@@ -521,14 +552,15 @@ class ProcessorLoop:
 
     # -- restore ---------------------------------------------------------------------------
     def _restore(self, partitions: Sequence[int]) -> None:
-        """Read the changelog partitions from the beginning to their end into the state maps."""
+        """Read the changelog partitions from the beginning to their end into the state store."""
         started = time.monotonic()
-        codec = self.processor.state_codec
         restorer = self._restorer
+        store = self._store
         pending: set[int] = set()
         assign: list[TopicPartition] = []
+        if store is not None:
+            store.begin_restore(partitions)
         for p in partitions:
-            self._states[p] = {}
             self._meta_has_holds[p] = False
             low, high = self._watermarks(TopicPartition(self._changelog, p))
             if high > low:
@@ -556,17 +588,16 @@ class ProcessorLoop:
                 p, key, value = msg.partition(), msg.key(), msg.value()
                 if key == LOOP_META_KEY:
                     self._restore_meta(p, value)
-                elif key is not None:
-                    run_id = key.decode()
-                    if value is None:
-                        self._states[p].pop(run_id, None)
-                    elif codec is not None:
-                        self._states[p][run_id] = codec.decode(value)
+                elif key is not None and store is not None:
+                    store.load(p, key.decode(), value)
         finally:
             restorer.unassign()
+        runs = 0
+        if store is not None:
+            store.end_restore(partitions)
+            runs = sum(store.count(p) for p in partitions)
         RESTORE_SECONDS.labels(self._name).observe(time.monotonic() - started)
-        self._log.info("states_restored", partitions=list(partitions), records=records,
-                       runs=sum(len(self._states[p]) for p in partitions))
+        self._log.info("states_restored", partitions=list(partitions), records=records, runs=runs)
 
     def _watermarks(self, tp: TopicPartition) -> tuple[int, int]:
         deadline = time.monotonic() + self.config.restore_timeout_s
@@ -670,6 +701,8 @@ class ProcessorLoop:
         except _AbortBatch as exc:
             self._abort(batch, snapshot, exc)
             return
+        if self._store is not None and batch.checkpointed:
+            self._store.put_many(batch.checkpointed)  # committed: now the store may show them
         if tick_due:
             self._next_tick = time.monotonic() + self.config.tick_interval_ms / 1000
         # Committed: only now may the decided work start (in fair order across tenants).
@@ -784,14 +817,7 @@ class ProcessorLoop:
             self._produce(topic, partition, key, value, headers)
             batch.produced += 1
         for (p, run_id), state in unit.states.items():
-            states = self._states.setdefault(p, {})
-            if (p, run_id) not in batch.undo:
-                batch.undo[(p, run_id)] = states.get(run_id, _MISSING)
-            if state is None:
-                states.pop(run_id, None)
-            else:
-                states[run_id] = state
-            batch.dirty.add((p, run_id))
+            batch.states[(p, run_id)] = state
             batch.touched.add(p)
         for w in unit.starts:
             if w.key in self._work:
@@ -843,14 +869,14 @@ class ProcessorLoop:
     def _checkpoint(self, batch: _Batch) -> None:
         """Produce the batch's state changes and the loop's replay bookkeeping to the changelog."""
         codec = self.processor.state_codec
-        for p, run_id in batch.dirty:
+        for (p, run_id), state in batch.states.items():
             if p not in self._owned:
                 continue
-            state = self._states.get(p, {}).get(run_id)
             if state is not None and codec is None:
                 raise FatalLoopError(f"{self._name} put state but has no state_codec")
             value = None if state is None else codec.encode(state)
             self._produce(self._changelog, p, run_id.encode(), value, None)
+            batch.checkpointed.append((p, run_id, state, value))
         for p in sorted(batch.touched):
             if p not in self._owned:
                 continue
@@ -919,13 +945,10 @@ class ProcessorLoop:
             self._producer.abort_transaction(30)
         except KafkaException as err:
             raise FatalLoopError(f"abort_transaction failed: {err.args[0].str()}") from err
-        # Undo everything the batch changed in memory, then replay it.
-        for (p, run_id), old in batch.undo.items():
-            states = self._states.setdefault(p, {})
-            if old is _MISSING:
-                states.pop(run_id, None)
-            else:
-                states[run_id] = old
+        # The batch's state changes never reached the store; forget the decoded states too, in
+        # case a handler changed one in place, so the replay reads the committed bytes.
+        if self._store is not None:
+            self._store.forget_decoded()
         self._next, self._holds, self._work, self._meta_has_holds, self._committed = snapshot
         self._redeliver = batch.delivered + self._redeliver
         for (topic, partition), offset in batch.first_offsets.items():
@@ -988,6 +1011,8 @@ class ProcessorLoop:
             # Unfinished work is not waited for: its inputs are held, so the next owner replays them.
             # Closing the fair queue drops what waits and lets the worker threads end.
             steps.append(("pool_shutdown", self._pool.close))
+        if self._store is not None:
+            steps.append(("state_store_close", self._store.close))
         for what, step in steps:
             try:
                 step()

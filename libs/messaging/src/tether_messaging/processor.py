@@ -136,11 +136,35 @@ class Processor(Protocol):
         ...
 
 
+class RunTimers(Protocol):
+    """What a processor with per-run timers adds to `Processor` (optional: the loop looks for it).
+
+    The loop keeps each run's wake time in an index beside its stored state, so a tick visits
+    only the runs whose timer is due (`TickContext.runs_due`), not every run it holds: a run
+    parked for days costs nothing per tick. A processor without `wake_at_ms` has every run due
+    on every tick.
+    """
+
+    def wake_at_ms(self, state: Any) -> int | None:
+        """The earliest clock value (ms) at which `on_tick` may have something to do for a run in
+        `state`, or None if nothing until the state changes. A pure function of the state: the
+        loop calls it when a state is put and again when it restores states from the changelog.
+
+        Early is harmless (the tick checks and finds nothing); late delays the timer. A run
+        stays due on every tick until a put gives it a later wake time (or None), so the tick
+        should put the state of each due run it acts on, and "always due" (e.g. 0) suits only
+        states that are not idle (work in flight)."""
+        ...
+
+
 class TickContext(Context, Protocol):
-    """Context for `on_tick`: the partitions this instance owns and the runs with state in them."""
+    """Context for `on_tick`: the partitions this instance owns and the runs due in them."""
 
     def owned_partitions(self) -> Sequence[int]: ...
 
-    def runs_with_state(self, partition: int) -> Sequence[str]: ...
+    def runs_due(self, partition: int) -> Sequence[str]:
+        """Runs of the partition whose wake time (`RunTimers.wake_at_ms`) is at or before
+        `now_ms`, earliest first; every run with state if the processor has no `wake_at_ms`."""
+        ...
 
     def for_partition(self, partition: int) -> Context: ...

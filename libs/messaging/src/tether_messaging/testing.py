@@ -15,6 +15,7 @@ from tether_contracts.records import Envelope
 from tether_messaging.envelopes import make_envelope
 from tether_messaging.processor import Inbound, Processor, WorkDone
 from tether_messaging.serde import decode, encode
+from tether_messaging.statestore import ALWAYS_DUE
 
 
 @dataclass
@@ -165,8 +166,16 @@ class _TickCtx(_Ctx):
     def owned_partitions(self) -> Sequence[int]:
         return [0]
 
-    def runs_with_state(self, partition: int) -> Sequence[str]:
-        return list(self._d.states)
+    def runs_due(self, partition: int) -> Sequence[str]:
+        # The loop's rule (a state's wake time from the processor's `wake_at_ms`, every run
+        # without one), computed here from the states themselves.
+        wake_at = getattr(self._d.processor, "wake_at_ms", None)
+        due = []
+        for run_id, state in self._d.states.items():
+            wake = ALWAYS_DUE if wake_at is None else wake_at(state)
+            if wake is not None and wake <= self._d.now_ms:
+                due.append((wake, run_id))
+        return [run_id for _, run_id in sorted(due)]
 
     def for_partition(self, partition: int) -> _Ctx:
         return _Ctx(self._d, partition)

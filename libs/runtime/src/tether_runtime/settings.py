@@ -57,3 +57,11 @@ class ServiceSettings(BaseSettings):
     session_timeout_ms: int = Field(
         10_000, ge=6_000, description="Consumer group session timeout: how soon a dead instance's partitions move."
     )
+    state_dir: str | None = Field(
+        None,
+        description="Directory for the loop's per-run state store (an SQLite cache of the changelog, deleted at "
+        "shutdown); default: the system's temporary directory. Local disk, not a memory filesystem.",
+    )
+    state_cache_runs: int = Field(
+        256, ge=1, description="Decoded run states the loop keeps in memory (LRU); the others stay on disk until read."
+    )

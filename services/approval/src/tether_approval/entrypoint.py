@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import structlog
 
+from tether_approval.domain.decisions import wake_at
 from tether_approval.domain.state import RunApprovals
 from tether_approval.handlers import (
     COMMAND_HANDLERS,
@@ -50,3 +51,8 @@ class ApprovalProcessor:
 
     def on_tick(self, ctx: TickContext) -> None:
         expire_approvals(ctx, deps=self.deps)
+
+    def wake_at_ms(self, state: RunApprovals) -> int | None:
+        """When a pending approval expires or an early decision goes stale (`expire_approvals`
+        visits only runs due by this)."""
+        return wake_at(state, self.deps.policy)

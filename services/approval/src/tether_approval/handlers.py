@@ -317,11 +317,11 @@ def _empty(run: RunApprovals) -> bool:
 
 def expire_approvals(ctx: TickContext, *, deps: Deps) -> None:
     """Every tick: EXPIRED for pending approvals past expires_at_ms (at ctx.now_ms), and refuse
-    early decisions whose request never came."""
+    early decisions whose request never came (in the runs due by `domain.decisions.wake_at`)."""
     now_ms = ctx.now_ms
     for partition in ctx.owned_partitions():
         pctx = ctx.for_partition(partition)
-        for run_id in ctx.runs_with_state(partition):
+        for run_id in ctx.runs_due(partition):
             committed = pctx.get_state(run_id)
             if committed is None or not _needs_tick(committed, now_ms, deps.policy):
                 continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import structlog
 
+from tether_budget.domain.decisions import wake_at
 from tether_budget.domain.errors import ProtocolViolation
 from tether_budget.domain.ledger import Ledger
 from tether_budget.domain.tenancy import TenantLedger
@@ -72,3 +73,10 @@ class BudgetProcessor:
 
     def on_tick(self, ctx: TickContext) -> None:
         check_timers(ctx, deps=self.deps)
+
+    def wake_at_ms(self, state: Ledger | TenantLedger) -> int | None:
+        """When `on_tick` has work for this ledger: a run's wall-clock cap or retention step, a
+        tenant's deferred grants (the loop's timer index; `check_timers` visits only those)."""
+        if isinstance(state, TenantLedger):
+            return state.deferred_due_at()
+        return wake_at(state, retention=self.deps.retention)

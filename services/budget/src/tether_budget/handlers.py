@@ -332,10 +332,10 @@ def check_tenant_timers(key: str, ctx: Context, *, deps: Deps) -> None:
 
 
 def check_timers(ctx: TickContext, *, deps: Deps) -> None:
-    """Run the timers of every run and tenant ledger in the partitions this instance owns."""
+    """Run the due timers of the run and tenant ledgers in the partitions this instance owns."""
     for partition in ctx.owned_partitions():
         pctx = ctx.for_partition(partition)
-        for key in ctx.runs_with_state(partition):
+        for key in ctx.runs_due(partition):
             if key.startswith("tenant:"):
                 check_tenant_timers(key, pctx, deps=deps)
             else:

@@ -78,10 +78,21 @@ class GatewayProcessor:
             self._next_sweep_ms = now + self._sweep_interval_ms
         for partition in ctx.owned_partitions():
             pctx = ctx.for_partition(partition)
-            self._restart_stalled(pctx, ctx.runs_with_state(partition), now)
+            self._restart_stalled(pctx, ctx.runs_due(partition), now)
             if sweep_due:
                 pctx.start_work(sweep_work_key(partition), SWEEP_RUN_ID, "",
                                 partial(self.deps.runner.sweep, partition, self._sweep_limit))
+
+    def wake_at_ms(self, state: RunState) -> int | None:
+        """When on_tick may have to start one of the run's calls (the loop's timer index).
+
+        An EXECUTING call is due at every tick: whether its work runs in this process is known
+        only here (`_seen`), not from the state, and after a failover it must start at once.
+        Such runs have work in flight, so they are few; a run parked on an approval has none.
+        """
+        times = [0 if c.status is CallStatus.EXECUTING else c.not_before_ms
+                 for c in state.calls.values() if c.status in (CallStatus.EXECUTING, CallStatus.RATE_LIMITED)]
+        return min(times, default=None)
 
     def _restart_stalled(self, ctx: Context, run_ids: Sequence[str], now: int) -> None:
         for run_id in run_ids:

@@ -220,6 +220,14 @@ def drop_stale_early(run: RunApprovals, now_ms: int, policy: ApprovalPolicy) -> 
     return stale
 
 
+def wake_at(run: RunApprovals, policy: ApprovalPolicy) -> int | None:
+    """The earliest clock value at which `expire_due` or `drop_stale_early` has something to do
+    (both act strictly after their limit), or None: the loop's timer index for the run."""
+    times = [a.expires_at_ms + 1 for a in run.pending()]
+    times += [e.decided_at_ms + policy.early_decision_ttl_ms + 1 for e in run.early.values()]
+    return min(times, default=None)
+
+
 # -- unknown outcomes -----------------------------------------------------------------------------
 
 

@@ -739,7 +739,7 @@ def tick(ledger: Ledger, *, now_ms: int, retention: Retention) -> TickResult:
 
 
 def tick_due(ledger: Ledger, *, now_ms: int, retention: Retention) -> bool:
-    """Whether `tick` would change anything (a cheap read-only check run every second per run)."""
+    """Whether `tick` would change anything (a cheap read-only check of a run `wake_at` says is due)."""
     if ledger.queued:
         return False
     if ledger.active:
@@ -748,3 +748,23 @@ def tick_due(ledger: Ledger, *, now_ms: int, retention: Retention) -> bool:
     return now_ms >= ended + retention.tombstone_ms or (
         not ledger.tombstoned and now_ms >= ended + retention.ended_ledger_ms
     )
+
+
+def wake_at(ledger: Ledger, *, retention: Retention) -> int | None:
+    """The earliest clock value at which `tick_due` holds, or None while nothing can become due
+    before the ledger changes (queued, waiting for a human). The loop indexes ledgers by it, so
+    a tick looks only at runs whose timer is due, not at every run parked on a human."""
+    if ledger.queued:
+        return None
+    if ledger.active:
+        if ledger.waiting_for_human:
+            return None
+        deadline = ledger.deadline_ms + ledger.human_wait_ms
+        if ledger.waiting_since_ms is None:
+            return deadline
+        # A human-wait clock still running (see `Ledger.deadline_at`): the deadline moves with
+        # the clock from `waiting_since_ms` on, so it is reached only if it came before that.
+        return deadline if ledger.waiting_since_ms >= deadline else None
+    ended = ledger.ended_at_ms or 0
+    forget = ended + retention.tombstone_ms
+    return forget if ledger.tombstoned else min(forget, ended + retention.ended_ledger_ms)

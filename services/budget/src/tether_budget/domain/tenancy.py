@@ -12,6 +12,7 @@ Everything here is pure: decisions read the ledger and the recorded clock value 
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, Field, PrivateAttr
@@ -187,6 +188,17 @@ class TenantLedger(BaseModel):
         if run_id not in self.deferred:
             self.deferred.append(run_id)
             self.touch()
+
+    def deferred_due_at(self) -> int | None:
+        """The earliest clock value at which deferred grants may go (`level_at` above zero), or
+        None without deferred runs: the loop's timer index for the tenant ledger."""
+        if not self.deferred:
+            return None
+        tpm = self.limits.tokens_per_minute
+        if tpm <= 0 or self.tokens is None or self.tokens > 0:
+            return 0  # the bucket has room at any time
+        # level_at(now) > 0  ⇔  now - tokens_at_ms > -tokens * MINUTE_MS / tpm
+        return self.tokens_at_ms + math.floor(-self.tokens * MINUTE_MS / tpm) + 1
 
     def next_deferred(self, now_ms: int) -> str | None:
         """Take the run deferred longest ago if the bucket has room again."""
