@@ -33,27 +33,35 @@ def heap_snapshot_path(pid: int, number: int, directory: str | Path | None = Non
     return Path(directory or tempfile.gettempdir()) / f"tether-heap-{pid}-{number}.tracemalloc"
 
 
-def install_heap_snapshot_handler() -> bool:
-    """When tracemalloc is tracing (``PYTHONTRACEMALLOC=<frames>`` in the environment, Python's own
-    switch), SIGUSR1 writes a snapshot of the Python heap to `heap_snapshot_path` (in the temp
-    directory, i.e. ``TMPDIR``), after a full garbage collection, so what is still allocated is
-    what is still referenced. Compare two with ``tracemalloc.Snapshot.load(a).compare_to(...)``
-    (the bench's park phase does: TETHER_BENCH_PARK_TRACEMALLOC). Returns whether it installed
-    the handler (a diagnostic only: a process that is not tracing keeps SIGUSR1's default)."""
-    if not tracemalloc.is_tracing():
-        return False
+#: Frames kept per allocation when SIGUSR1 starts tracemalloc (PYTHONTRACEMALLOC=<n> sets its own).
+HEAP_TRACE_FRAMES = 8
+
+
+def install_heap_snapshot_handler(frames: int = HEAP_TRACE_FRAMES) -> None:
+    """SIGUSR1 writes a tracemalloc snapshot of the Python heap to `heap_snapshot_path` (in the
+    temp directory: ``TMPDIR``), after a full garbage collection, so what it holds is what is
+    still referenced. A diagnostic for finding what grows (the bench's park phase uses it:
+    TETHER_BENCH_PARK_HEAP); compare two with ``Snapshot.load(b).compare_to(Snapshot.load(a), ...)``.
+
+    If tracemalloc is not tracing yet, the first SIGUSR1 starts it (`frames` frames per
+    allocation): that snapshot is (nearly) empty, and each later one holds what was allocated
+    after the first and is still alive. ``PYTHONTRACEMALLOC=<frames>`` traces from start-up
+    instead (the whole heap, but imports then run many times slower). Until a SIGUSR1 comes,
+    nothing is traced and nothing costs anything."""
     numbers = itertools.count(1)
 
     def _handler(_signum: int, _frame: object) -> None:
         gc.collect()
+        if not tracemalloc.is_tracing():
+            tracemalloc.start(frames)
         path = heap_snapshot_path(os.getpid(), next(numbers))
         partial = path.with_suffix(".partial")
         tracemalloc.take_snapshot().dump(str(partial))
         partial.rename(path)  # readers never see a half-written snapshot
-        log.info("heap_snapshot_written", path=str(path), traced_mb=round(tracemalloc.get_traced_memory()[0] / 2**20, 1))
+        log.info("heap_snapshot_written", path=str(path),
+                 traced_mb=round(tracemalloc.get_traced_memory()[0] / 2**20, 1))
 
     signal.signal(signal.SIGUSR1, _handler)
-    return True
 
 
 def run(main: Callable[[threading.Event], int | None], *, stop: threading.Event | None = None) -> int:
