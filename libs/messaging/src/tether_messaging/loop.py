@@ -121,6 +121,12 @@ class LoopConfig:
     #: round-robin, in items per round); tenants not listed have weight 1.
     tenant_weights: Mapping[str, int] = field(default_factory=dict)
     tick_interval_ms: int = 1000
+    #: Longest one consumer poll blocks while no work is in flight: how late a stop request
+    #: is noticed when nothing happens (records and due ticks end a poll at once).
+    idle_poll_ms: int = 50
+    #: Longest one consumer poll blocks while work is in flight: how long finished work may
+    #: wait for the loop (≈ 2% of a core while polling in 2 ms slices, nothing when idle).
+    work_poll_ms: int = 2
     session_timeout_ms: int = 10_000
     #: A producer that dies mid-transaction blocks read_committed readers of its partitions
     #: until this expires (unless its slot restarts first), so keep it short; batches last ms.
@@ -634,9 +640,16 @@ class ProcessorLoop:
             and not self._to_restore
             and self._finished.empty()
         ):
-            if time.monotonic() >= self._next_tick:
+            until_tick = self._next_tick - time.monotonic()
+            if until_tick <= 0:
                 break
-            msg = consumer.poll(0.05)
+            # A worker's finished work cannot interrupt a blocking poll (librdkafka's queue
+            # yield / IO-event wake-up is not exposed by confluent-kafka; its maintainers
+            # advise a short timeout instead), so while work is in flight the loop polls in
+            # short slices and notices a result within `work_poll_ms`. A record arriving
+            # ends any poll at once; with no work in flight the loop blocks longer and idles.
+            wait_ms = cfg.work_poll_ms if self._work else cfg.idle_poll_ms
+            msg = consumer.poll(min(wait_ms / 1000, until_tick))
             self._check_fatal()
             if msg is not None:
                 self._buffer.append(msg)
