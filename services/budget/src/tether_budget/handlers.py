@@ -81,7 +81,7 @@ def _load(ctx: Context, run_id: str) -> Ledger | None:
     state = ctx.get_state(run_id)
     # A working copy: the loop keeps the committed object for undo, and a refused record
     # must leave it untouched.
-    return None if state is None else state.model_copy(deep=True)
+    return None if state is None else state.clone()
 
 
 def _load_tenant(ctx: Context, tenant_id: str) -> TenantLedger:

@@ -515,7 +515,7 @@ def _tool_call_requested(
     ledger.calls[call.call_id] = entry
     cur.call_ids.append(call.call_id)
     if breach is not None:
-        entry.status = CallStatus.NOT_BUDGETED
+        ledger.update_call(entry, status=CallStatus.NOT_BUDGETED)
         return Plan([APPEND]).extend(_terminate(ledger, *breach, now_ms))
     ledger.tool_calls_budgeted += 1
     budgeted = ToolCallBudgeted(
@@ -529,16 +529,15 @@ Outcome = ToolCallCompleted | ToolCallFailed | ToolCallDenied
 
 def _record_outcome(ledger: Ledger, call: CallEntry, ev: Outcome) -> None:
     if isinstance(ev, ToolCallCompleted):
-        call.status = CallStatus.COMPLETED
-        call.observation = ev.result_json if ev.result_json is not None else (
+        observation = ev.result_json if ev.result_json is not None else (
             f"blob:{ev.result_ref.sha256}" if ev.result_ref else ""
         )
-        call.error = None
+        ledger.update_call(call, status=CallStatus.COMPLETED, observation=observation, error=None)
     elif isinstance(ev, ToolCallFailed):
-        call.status, call.observation, call.error = CallStatus.FAILED, ev.detail, ev.error_code
+        ledger.update_call(call, status=CallStatus.FAILED, observation=ev.detail, error=ev.error_code)
         ledger.last_error = f"{call.call_id} {call.tool_name} failed {ev.error_code}: {ev.detail}"
     else:
-        call.status, call.observation, call.error = CallStatus.DENIED, ev.detail, f"denied:{ev.reason_code}"
+        ledger.update_call(call, status=CallStatus.DENIED, observation=ev.detail, error=f"denied:{ev.reason_code}")
         ledger.last_error = f"{call.call_id} {call.tool_name} denied {ev.reason_code}: {ev.detail}"
 
 
@@ -560,7 +559,7 @@ def _tool_call_outcome_unknown(
     call = _call(ledger, ev.step, ev.call_id, ev.idem_key)
     if call.status not in _MAY_EXECUTE:
         raise ProtocolViolation("UNEXPECTED_OUTCOME_UNKNOWN", f"call {call.call_id} is {call.status}")
-    call.status = CallStatus.OUTCOME_UNKNOWN
+    ledger.update_call(call, status=CallStatus.OUTCOME_UNKNOWN)
     ledger.last_error = f"{call.call_id} {call.tool_name} outcome unknown: {ev.detail}"
     return Plan([APPEND])  # the step cannot finish: the run is parked until a human decides
 
@@ -582,10 +581,12 @@ def _approval_requested(
     if ev.args_hash != hashlib.sha256(call.args_json.encode()).hexdigest():
         raise ProtocolViolation("APPROVAL_MISMATCH", f"approval {ev.approval_id} is bound to other arguments")
     if call.status is CallStatus.BUDGETED:
-        call.status = CallStatus.APPROVAL_PENDING
-    elif call.status is not CallStatus.OUTCOME_UNKNOWN:
+        status = CallStatus.APPROVAL_PENDING
+    elif call.status is CallStatus.OUTCOME_UNKNOWN:
+        status = call.status
+    else:
         raise ProtocolViolation("UNEXPECTED_APPROVAL", f"call {call.call_id} is {call.status}")
-    call.approval_id = ev.approval_id
+    ledger.update_call(call, status=status, approval_id=ev.approval_id)
     return Plan([APPEND])
 
 
@@ -602,7 +603,7 @@ def _approval_decided(
     approved = ev.outcome is ApprovalOutcome.APPROVED
     if call.status is CallStatus.APPROVAL_PENDING:
         # The gateway acts on the decision next: executes, or records the refusal as a denial.
-        call.status = CallStatus.APPROVED if approved else CallStatus.DECLINED
+        ledger.update_call(call, status=CallStatus.APPROVED if approved else CallStatus.DECLINED)
         return Plan([APPEND])
     if call.status is not CallStatus.OUTCOME_UNKNOWN:
         raise ProtocolViolation("UNEXPECTED_DECISION", f"call {call.call_id} is {call.status}")
@@ -610,8 +611,8 @@ def _approval_decided(
     # REJECTED stops the run (OUTCOME_UNKNOWN); EXPIRED stops it (APPROVAL_TIMEOUT).
     plan = Plan([APPEND])
     if approved:
-        call.status = CallStatus.RESOLVED
-        call.observation = f"outcome unknown; {ev.approver_id} let the run continue: {ev.comment}"
+        ledger.update_call(call, status=CallStatus.RESOLVED,
+                           observation=f"outcome unknown; {ev.approver_id} let the run continue: {ev.comment}")
         if ledger.step_finished():
             plan.extend(_finish_step(ledger, guard, now_ms, tenant))
         return plan
@@ -666,7 +667,7 @@ def _after_end(ledger: Ledger, record: AvroRecord) -> Plan:
         if isinstance(record, ToolCallOutcomeUnknown):
             if call.status not in _MAY_EXECUTE:
                 return ended
-            call.status = CallStatus.OUTCOME_UNKNOWN
+            ledger.update_call(call, status=CallStatus.OUTCOME_UNKNOWN)
         else:
             _record_outcome(ledger, call, record)
         return Plan([APPEND])

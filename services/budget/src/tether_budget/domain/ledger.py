@@ -10,11 +10,11 @@ it in the same state store under the key `tenant:<tenant_id>` (domain/tenancy.py
 
 from __future__ import annotations
 
+import copy
 from enum import StrEnum
-
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from tether_budget.domain.loopguard import LoopGuardState
 from tether_contracts.records import Caps, Usage
@@ -75,13 +75,18 @@ class Reason(StrEnum):
 class ToolFacts(BaseModel):
     """What the ledger keeps of a tool snapshot from RunAccepted."""
 
+    model_config = ConfigDict(frozen=True)
+
     pollable: bool = False
     idempotent: bool = True
     risk_class: str = "READ_ONLY"
 
 
 class CallEntry(BaseModel):
-    """One tool call of the run."""
+    """One tool call of the run. Frozen: a change replaces the entry (`Ledger.update_call`), so a
+    working copy of the ledger can share the entries of the committed one."""
+
+    model_config = ConfigDict(frozen=True)
 
     call_id: str
     step: int
@@ -149,6 +154,35 @@ class Ledger(BaseModel):
     ended_at_ms: int | None = None
     end_reason: str | None = None
     tombstoned: bool = False
+
+    # -- copies -----------------------------------------------------------------------------
+    def clone(self) -> Ledger:
+        """A working copy for handling one record: the loop keeps the committed ledger to undo an
+        aborted batch, and a refused record must leave it untouched.
+
+        Copies what the domain changes in place (the containers, the current step, the loop
+        guard's memory) and shares the rest: frozen models (call entries, tool facts, records)
+        are replaced when they change, never changed. Pointer copies of the containers, not a
+        deep copy of every entry (which cost ~0.2 ms per record for a 4-step run, growing with
+        the run). `tests/test_ledger_copy.py` checks that the copy shares nothing mutable."""
+        cur = self.current
+        return self.model_copy(
+            update={
+                "seen_event_ids": set(self.seen_event_ids),
+                "calls": dict(self.calls),
+                "tools": dict(self.tools),
+                "current": None if cur is None else cur.model_copy(update={"call_ids": list(cur.call_ids)}),
+                "loop": self.loop.clone(),
+                # Only a queued run has one (a plain Avro datum, nested dicts and lists).
+                "queued_submit": copy.deepcopy(self.queued_submit),
+            }
+        )
+
+    def update_call(self, call: CallEntry, **changes: Any) -> CallEntry:
+        """Replace a call's (frozen) entry with a copy that has `changes`; returns the new entry."""
+        updated = call.model_copy(update=changes)
+        self.calls[call.call_id] = updated
+        return updated
 
     # -- chain ----------------------------------------------------------------------------
     def record_appended(self, event_id: str, seq: int, hash_: str) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 EXCERPT_CHARS = 200
 
@@ -93,6 +93,8 @@ def normalise_observation(text: str) -> str:
 class CallSignature(BaseModel):
     """The signature of one tool call with its outcome."""
 
+    model_config = ConfigDict(frozen=True)
+
     action: str = Field(description="Hash of the canonical action a.")
     label: str = Field(description="The canonical action, shortened, for warnings and reports.")
     observation: str = Field(description="Hash of the normalised observation o (result or error).")
@@ -127,10 +129,13 @@ def call_signature(
 
 
 class StepSignature(BaseModel):
-    """The signature of one step: its tool calls in call order, or the text of a text-only turn."""
+    """The signature of one step: its tool calls in call order, or the text of a text-only turn.
+    Frozen (a value): the guard's history shares it between a ledger and its working copy."""
+
+    model_config = ConfigDict(frozen=True)
 
     step: int
-    calls: list[CallSignature] = Field(default_factory=list)
+    calls: tuple[CallSignature, ...] = ()
     text: str | None = Field(None, description="m: hash of the assistant text, for a text-only turn.")
     novel: bool = Field(False, description="Set by the guard: some (a, o) pair of the step was new to the run.")
 
@@ -184,6 +189,8 @@ class LoopRule(StrEnum):
 
 class Detection(BaseModel):
     """One firing of a rule, with what a human (or the model) needs to understand it."""
+
+    model_config = ConfigDict(frozen=True)
 
     rule: LoopRule
     step: int
@@ -243,6 +250,17 @@ class LoopGuardState(BaseModel):
     warned: Detection | None = None
     fired: Detection | None = None
 
+    def clone(self) -> LoopGuardState:
+        """A working copy: the containers copied, their frozen signatures shared (see `Ledger.clone`)."""
+        return self.model_copy(
+            update={
+                "history": list(self.history),
+                "seen_pairs": set(self.seen_pairs),
+                "denials": dict(self.denials),
+                "polls": dict(self.polls),
+            }
+        )
+
 
 @dataclass(frozen=True)
 class LoopGuardConfig:
@@ -296,9 +314,8 @@ class LoopGuard:
                 state.polls[key] += 1
                 return denial
             state.polls.setdefault(key, 0)
-        step = step.model_copy()
         pairs = {f"{c.action}:{c.observation}" for c in step.calls}
-        step.novel = bool(pairs - state.seen_pairs)
+        step = step.model_copy(update={"novel": bool(pairs - state.seen_pairs)})
         state.seen_pairs |= pairs
         state.history.append(step)
         del state.history[: -cfg.history_len]
