@@ -85,6 +85,11 @@ WORK_WAITING = Gauge("tether_loop_work_waiting", "Work committed and waiting for
 WORK_DONE = Counter("tether_loop_work_done_total", "Work delivered back to the processor.", ["service", "outcome"])
 LAG = Gauge("tether_loop_lag_records", "High watermark minus the loop's position.", ["service", "topic", "partition"])
 RESTORE_SECONDS = Histogram("tether_loop_restore_seconds", "Time to restore states on assignment.", ["service"])
+CARRIED = Counter(
+    "tether_loop_records_carried_total",
+    "Fetched records left for the next batch because the transaction's handling time ran out.",
+    ["service"],
+)
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -129,8 +134,17 @@ class LoopConfig:
     work_poll_ms: int = 2
     session_timeout_ms: int = 10_000
     #: A producer that dies mid-transaction blocks read_committed readers of its partitions
-    #: until this expires (unless its slot restarts first), so keep it short; batches last ms.
+    #: until this expires (unless its slot restarts first, which aborts it at once), so keep
+    #: it short; batches last ms, and `transaction_handling_share` keeps an overloaded batch
+    #: well inside it. (A slot that never returns stalls its partitions for the longer of
+    #: this and the session timeout: the same 10 s, Kafka Streams' exactly-once default too.)
     transaction_timeout_ms: int = 10_000
+    #: A batch stops handling input once its transaction has been open this share of
+    #: `transaction_timeout_ms`: it commits what is done and leaves the rest of the fetched
+    #: records (and finished work, and a due tick) to the next batch, so an overloaded loop
+    #: slows down instead of having its transaction rolled back by the coordinator (which
+    #: fences the producer). The rest of the timeout is for the commit itself.
+    transaction_handling_share: float = 0.5
     restore_timeout_s: float = 120.0
     #: False = at-least-once: outputs flushed, then offsets committed (for idempotent consumers).
     transactional: bool = True
@@ -162,6 +176,7 @@ class LoopConfig:
             work_threads=settings.work_threads,
             tenant_weights=dict(settings.tenant_weights),
             session_timeout_ms=settings.session_timeout_ms,
+            transaction_timeout_ms=settings.transaction_timeout_ms,
             schema_registry_url=settings.schema_registry_url,
             state_dir=settings.state_dir,
             state_cache_runs=settings.state_cache_runs,
@@ -340,8 +355,12 @@ class ProcessorLoop:
     partition assignment has been restored.
     """
 
-    def __init__(self, processor: Processor, config: LoopConfig, *, clock_ms: Callable[[], int] | None = None) -> None:
+    def __init__(self, processor: Processor, config: LoopConfig, *, clock_ms: Callable[[], int] | None = None,
+                 monotonic: Callable[[], float] | None = None) -> None:
         self.processor = processor
+        # How long a batch's transaction has been open is read from `monotonic` (seconds);
+        # tests pass a virtual clock that their handlers advance.
+        self._monotonic = monotonic or time.monotonic
         # One codec per process. A registry outage raises SchemaRegistryUnavailable, which is
         # not a SerdeError: it stops the loop (and the supervisor restarts it) instead of
         # dead-lettering good records.
@@ -629,10 +648,16 @@ class ProcessorLoop:
 
     # -- one batch -------------------------------------------------------------------------
     def _collect(self, stop: threading.Event) -> list[Message]:
-        """Block until there is something to do, then take what is already fetched."""
+        """Block until there is something to do, then take what is already fetched.
+
+        `_buffer` starts with the records the last batch fetched but left unhandled (its
+        transaction's handling time ran out): they come first, so each partition stays in
+        order, and the consumer's position is already past them (no seek). A revoke drops
+        a revoked partition's records from it (`_drop`); they were not committed, so the
+        partition's next owner fetches them again.
+        """
         consumer = self._consumer
         cfg = self.config
-        self._buffer = []
         while (
             not stop.is_set()
             and not self._buffer
@@ -692,6 +717,9 @@ class ProcessorLoop:
             return
 
         batch = _Batch(now_ms=self._clock_ms())
+        for m in msgs:
+            # Where an abort rewinds to: every fetched record, handled or not, is fetched again.
+            batch.first_offsets.setdefault((m.topic(), m.partition()), m.offset())
         snapshot = (
             dict(self._next),
             {tp: dict(h) for tp, h in self._holds.items()},
@@ -699,13 +727,31 @@ class ProcessorLoop:
             dict(self._meta_has_holds),
             dict(self._committed),
         )
+        carried: list[Message] = []
         try:
             if self._txn:
                 self._call(self._producer.begin_transaction)
-            for f in finished:
+            handling_ends = self._monotonic() + (
+                self.config.transaction_timeout_ms * self.config.transaction_handling_share / 1000
+            )
+
+            def out_of_time() -> bool:
+                return self._txn and self._monotonic() >= handling_ends
+
+            for i, f in enumerate(finished):
+                if i and out_of_time():
+                    # Still held and in `_work`: delivered first in the next batch (and
+                    # after an abort of this one, behind what this batch delivered).
+                    self._redeliver = finished[i:] + self._redeliver
+                    break
                 self._deliver(batch, f)
-            for m in msgs:
+            for i, m in enumerate(msgs):
+                if (i or finished) and out_of_time():
+                    carried = msgs[i:]
+                    break
                 self._handle_record(batch, m)
+            if tick_due and (msgs or finished) and out_of_time():
+                tick_due = False  # still due: the next batch runs it
             if tick_due:
                 self._tick(batch)
             self._before_commit()
@@ -714,6 +760,12 @@ class ProcessorLoop:
         except _AbortBatch as exc:
             self._abort(batch, snapshot, exc)
             return
+        if carried:
+            # Not committed (the offsets sent stop before them): the next batch handles them.
+            self._buffer = carried
+            CARRIED.labels(self._name).inc(len(carried))
+            self._log.info("batch_cut_short", handled=len(msgs) - len(carried), carried=len(carried),
+                           transaction_timeout_ms=self.config.transaction_timeout_ms)
         if self._store is not None and batch.checkpointed:
             self._store.put_many(batch.checkpointed)  # committed: now the store may show them
         if tick_due:

@@ -57,6 +57,12 @@ class ServiceSettings(BaseSettings):
     session_timeout_ms: int = Field(
         10_000, ge=6_000, description="Consumer group session timeout: how soon a dead instance's partitions move."
     )
+    transaction_timeout_ms: int = Field(
+        10_000,
+        ge=1_000,
+        description="Kafka transaction timeout of the loop's producer; a batch stops handling input at half of it "
+        "and commits. A crashed slot that never returns stalls readers of its partitions this long.",
+    )
     state_dir: str | None = Field(
         None,
         description="Directory for the loop's per-run state store (an SQLite cache of the changelog, deleted at "
