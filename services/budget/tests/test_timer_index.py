@@ -1,0 +1,66 @@
+"""The budget's timer index: a ledger's wake time is exactly when the tick has something to do for it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tether_budget.domain.decisions import Retention, tick_due, wake_at
+from tether_budget.domain.ledger import CallEntry, CallStatus, Ledger, RunStatus
+from tether_budget.domain.tenancy import TenantLedger
+from tether_contracts.records import TenantLimits
+
+RETENTION = Retention(ended_ledger_ms=60_000, tombstone_ms=600_000)
+CLOCK = [0, 1, 499, 500, 999, 1_000, 1_199, 1_200, 1_201, 5_000, 60_999, 61_000, 61_001, 600_999, 601_000, 10**9]
+
+
+def _ledger(**fields) -> Ledger:
+    return Ledger(run_id="r1", tenant_id="t1", principal_id="p", request_id="q", partition=0,
+                  submit_event_id="e", **fields)
+
+
+def _parked() -> dict[str, CallEntry]:
+    call = CallEntry(call_id="1.0", step=1, call_index=0, idem_key="k", tool_name="send_email", args_json="{}",
+                     status=CallStatus.APPROVAL_PENDING)
+    return {"1.0": call}
+
+
+LEDGERS = {
+    "queued": _ledger(status=RunStatus.QUEUED, deadline_ms=1_000),
+    "active": _ledger(deadline_ms=1_000, human_wait_ms=200),
+    "parked on a human": _ledger(deadline_ms=1_000, waiting_since_ms=500, calls=_parked()),
+    "wait clock left running, after the deadline": _ledger(deadline_ms=1_000, waiting_since_ms=1_200),
+    "wait clock left running, before the deadline": _ledger(deadline_ms=1_000, waiting_since_ms=999),
+    "ended": _ledger(status=RunStatus.COMPLETED, ended_at_ms=1_000),
+    "tombstoned": _ledger(status=RunStatus.TERMINATED, ended_at_ms=1_000, tombstoned=True),
+}
+
+
+@pytest.mark.parametrize("name", LEDGERS)
+def test_a_run_is_due_exactly_from_its_wake_time(name: str) -> None:
+    ledger = LEDGERS[name]
+    wake = wake_at(ledger, retention=RETENTION)
+    for now in CLOCK:
+        assert tick_due(ledger, now_ms=now, retention=RETENTION) == (wake is not None and now >= wake), (name, now)
+
+
+def test_a_run_parked_on_a_human_has_no_timer() -> None:
+    assert wake_at(LEDGERS["parked on a human"], retention=RETENTION) is None
+
+
+def _tenant(tokens: float | None, *, tpm: int = 600, deferred: bool = True) -> TenantLedger:
+    return TenantLedger(tenant_id="t1", limits=TenantLimits(tokens_per_minute=tpm), tokens=tokens, tokens_at_ms=1_000,
+                        deferred=["r1"] if deferred else [])
+
+
+@pytest.mark.parametrize("tenant", [
+    _tenant(-35.5), _tenant(-1), _tenant(0.0), _tenant(0.25), _tenant(None), _tenant(-50, tpm=0), _tenant(-7, tpm=7),
+])
+def test_deferred_grants_are_due_exactly_when_the_bucket_has_room(tenant: TenantLedger) -> None:
+    wake = tenant.deferred_due_at()
+    assert wake is not None
+    for now in sorted({*CLOCK, max(0, wake - 1), wake, wake + 1, 4_549, 4_550, 4_551}):
+        assert (tenant.level_at(now) > 0) == (now >= wake), (tenant.tokens, now, wake)
+
+
+def test_a_tenant_without_deferred_runs_has_no_timer() -> None:
+    assert _tenant(-100, deferred=False).deferred_due_at() is None
