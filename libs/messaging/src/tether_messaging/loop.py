@@ -9,8 +9,14 @@ How a batch runs (docs/architecture.md, "The exactly-once loop"):
    dead-letter topic), then `on_tick` when due;
 3. call `Processor.before_commit()` if the processor has one (an at-least-once processor
    flushes the batch's external effects there), produce the changed per-run states to the
-   service's changelog, send the input offsets, commit. Work a handler started is submitted to the worker pool only after the commit,
-   so no side effect ever follows an aborted decision.
+   service's changelog, send the input offsets, commit. Only after the commit are the changed
+   states written to the state store and the work a handler started submitted to the worker
+   pool, so neither reflects an aborted decision.
+
+Per-run states live in a `tether_messaging.statestore.StateStore`: a local SQLite cache of the
+changelog with a bounded LRU of decoded states, so an idle run costs no memory; ticks see only
+the runs whose timer is due (`TickContext.runs_due`, from the processor's optional
+`wake_at_ms`). docs/loop.md, "Per-run state".
 
 Replay contract for handlers. The committed offset of a partition never passes its oldest
 input whose work is unfinished (work holds the input). After a crash or rebalance the new
