@@ -5,7 +5,11 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 
+import pytest
+from confluent_kafka import Producer
+
 from tether_bench.invariants import Evidence, Fault, check, violated
+from tether_bench.observer import LogObserver
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
     ApprovalDecided,
@@ -26,6 +30,8 @@ from tether_contracts.records import (
 )
 from tether_messaging.chain import GENESIS_HASH, seal
 from tether_messaging.envelopes import derived_id, make_envelope
+from tether_messaging.logreader import read_to_end
+from tether_messaging.registry import RegistryCodec, SchemaRegistryClient, value_subject
 
 REMAINING = Remaining(steps=5, tokens=1000, cost_usd_micros=1000, wall_clock_ms=60_000)
 
@@ -226,3 +232,32 @@ def test_two_outcomes_for_one_call_are_counted() -> None:
     ev.log = [*ev.log, *log.envelopes]
     ev.submitted = {**ev.submitted, "r2": "t0"}
     assert check(ev)["duplicate_outcomes"] == 1
+
+
+@pytest.mark.integration
+def test_the_checker_and_the_observer_read_a_log_in_the_registry_wire_format(kafka_bootstrap, kafka_topics,
+                                                                             schema_registry) -> None:
+    # With TETHER_SCHEMA_REGISTRY_URL set the services write Confluent-framed values; make chaos reads
+    # the log with read_to_end and follows it with LogObserver, both given the registry.
+    url, state = schema_registry
+    topic = kafka_topics.create("chaos-registry", partitions=2)
+    ev = evidence_for_clean_runs(["r1", "r2"])
+    codec = RegistryCodec(SchemaRegistryClient(url))
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for env in ev.log:
+        producer.produce(topic, codec.encode_value(env, topic), env.run_id.encode(), partition=int(env.run_id[1:]) - 1)
+    assert producer.flush(30) == 0
+    assert state.subjects[value_subject(topic)]
+
+    read = [entry.envelope for entry in read_to_end(kafka_bootstrap, topic, schema_registry_url=url, timeout_s=60)]
+    assert sorted(read, key=lambda e: (e.run_id, e.seq)) == sorted(ev.log, key=lambda e: (e.run_id, e.seq))
+    ev.log = read
+    report = check(ev)
+    assert violated(report) == [] and report["runs"] == 2
+
+    observer = LogObserver(kafka_bootstrap, topic, 2, schema_registry_url=url).start()
+    try:
+        assert observer.wait_count(lambda: observer.events_seen == len(read), timeout_s=30), observer.errors
+        assert set(observer.terminal) == {"r1", "r2"}
+    finally:
+        observer.stop()

@@ -125,7 +125,7 @@ class Bench:
         self.system.start()
         self.results["startup_s"] = round(time.monotonic() - began, 1)
         self.observer = LogObserver(self.stack.kafka_bootstrap, self.system.names.topics.run_events,
-                                    self.s.partitions).start()
+                                    self.s.partitions, schema_registry_url=self.stack.schema_registry_url).start()
         self.tenants = make_tenants(self.system, self.s.tenants)
         self.bot = ApproverBot({t.tenant_id: t for t in self.tenants}).attach(self.observer)
         self.bot.enabled = False

@@ -28,12 +28,12 @@ from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tether_bench.common import BenchError, LoadSampler, StackControl, StackSettings, machine
-from tether_bench.eventlog import read_log
 from tether_bench.invariants import Evidence, Fault, check, violated
 from tether_bench.load import ApproverBot, ClosedLoop, make_tenants
 from tether_bench.observer import LogObserver
 from tether_bench.scenarios import chaos_mix, write_scenarios
 from tether_devservices.recorder import read_records
+from tether_messaging.logreader import read_to_end
 from tether_modelserver.server import read_request_log
 from tether_testing.processes import ServiceFailed
 from tether_testing.system import SERVICES, SystemConfig, TetherSystem
@@ -113,7 +113,7 @@ class Chaos:
             for slot in range(1, self.s.instances):
                 self.system.start_instance(name, slot)
         self.observer = LogObserver(self.stack.kafka_bootstrap, self.system.names.topics.run_events,
-                                    self.s.partitions).start()
+                                    self.s.partitions, schema_registry_url=self.stack.schema_registry_url).start()
         self.tenants = make_tenants(self.system, self.s.tenants)
         self.bot = ApproverBot({t.tenant_id: t for t in self.tenants}, threads=4).attach(self.observer)
         self.driver = ClosedLoop(self.observer, self.tenants, [self.fast, self.slow], concurrency=self.s.concurrency,
@@ -289,12 +289,15 @@ class Chaos:
 
     def check(self) -> dict[str, Any]:
         names = self.system.names
-        entries = read_log(self.stack.kafka_bootstrap, names.topics.run_events, self.s.partitions)
+        # Either wire format: with TETHER_SCHEMA_REGISTRY_URL set the services wrote the registry's.
+        entries = read_to_end(self.stack.kafka_bootstrap, names.topics.run_events,
+                              schema_registry_url=self.stack.schema_registry_url, timeout_s=300,
+                              group_prefix="chaos-auditor")
         with psycopg.connect(self.stack.pg_dsn, autocommit=True) as conn:
             rows = conn.execute(f'SELECT idem_key, attempt FROM "{names.gateway_schema}".tool_calls').fetchall()
         evidence = Evidence(
             submitted={run: sub.tenant_id for run, sub in self.driver.submitted.items()},
-            log=[env for _, _, env in entries],
+            log=[entry.envelope for entry in entries],
             kv_records=read_records(self.system.sink_record_path("kv")),
             smtp_records=read_records(self.system.sink_record_path("smtp")),
             model_requests=read_request_log(self.system.model_request_log),

@@ -49,6 +49,8 @@ class StackSettings(BaseSettings):
     pg_dsn: str = Field("postgresql://tether@127.0.0.1:5432/tether", validation_alias=AliasChoices("TETHER_PG_DSN"))
     redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias=AliasChoices("TETHER_REDIS_URL"))
     state_dir: Path = Field(REPO / ".state", validation_alias=AliasChoices("TETHER_STATE_DIR"))
+    #: Set, the services write the registry's wire format (they inherit it); the log readers need it too.
+    schema_registry_url: str | None = Field(None, validation_alias=AliasChoices("TETHER_SCHEMA_REGISTRY_URL"))
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -17,7 +17,8 @@ from tether_bench.common import (
     TOOL_CALL_COMPLETED,
     TOOL_CALL_FAILED,
 )
-from tether_messaging.serde import decode_envelope, open_payload
+from tether_messaging.registry import envelope_codec
+from tether_messaging.serde import open_payload
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,10 @@ class LogObserver:
     """Follows `topic` from offset 0 on a thread; keeps every run's events and calls back on the terminal
     event (`on_terminal(run_id, event_type)`) and on each ApprovalRequested (`on_approval(Approval)`)."""
 
-    def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
+    def __init__(self, bootstrap: str, topic: str, partitions: int, *, schema_registry_url: str | None = None) -> None:
         self.topic = topic
+        # The loops' codec: reads single-object and (given the registry) Confluent-framed values.
+        self._codec = envelope_codec(schema_registry_url)
         self.partitions = partitions
         self._consumer = Consumer({
             "bootstrap.servers": bootstrap,
@@ -115,7 +118,7 @@ class LogObserver:
                 self._handle(msg.value(), now_ms)
 
     def _handle(self, value: bytes, now_ms: float) -> None:
-        env = decode_envelope(value)
+        env = self._codec.decode_value(value)
         extra: dict = {}
         approval = None
         if env.event_type == MODEL_CALL_COMPLETED:

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
 import time
-from http.server import ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -20,32 +16,6 @@ from tether_messaging.processor import Context, Inbound, TickContext, WorkDone
 from tether_messaging.registry import RegistryCodec, SchemaRegistryClient, value_subject
 from tether_messaging.serde import SingleObjectCodec, decode_envelope, open_payload
 from tether_messaging.topics import Topics
-
-
-def _stand_in_registry_module():
-    # The registry stand-in lives with the serde tests; import mode "importlib" has no sibling imports.
-    spec = importlib.util.spec_from_file_location("_registry_stand_in", Path(__file__).with_name("test_serde_registry.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-_stand_in = _stand_in_registry_module()
-
-
-@pytest.fixture
-def registry():
-    state = _stand_in.RegistryState()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _stand_in.make_handler(state))
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", state
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 REMAINING = Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)
 
@@ -72,8 +42,8 @@ class Echo:
 
 
 @pytest.mark.integration
-def test_loop_uses_the_registry_wire_format_when_configured(kafka_bootstrap, topic_prefix, registry):
-    url, state = registry
+def test_loop_uses_the_registry_wire_format_when_configured(kafka_bootstrap, topic_prefix, schema_registry):
+    url, state = schema_registry
     topics = Topics(topic_prefix)
     declare_topics(kafka_bootstrap, 1, ["echo"], prefix=topic_prefix)
     registry_codec = RegistryCodec(SchemaRegistryClient(url))

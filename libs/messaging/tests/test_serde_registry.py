@@ -1,8 +1,8 @@
 """The Confluent Schema Registry client and codec, against a small local stand-in for the registry's REST API.
 
 No real registry runs on this machine (Confluent's artifacts are not on Maven Central); the
-stand-in implements the three endpoints the client uses, on 127.0.0.1, per Confluent's API
-reference. See docs/serde.md.
+stand-in (tether_testing.schema_registry, fixture `schema_registry`) implements the three
+endpoints the client uses, on 127.0.0.1, per Confluent's API reference. See docs/serde.md.
 """
 
 from __future__ import annotations
@@ -10,10 +10,6 @@ from __future__ import annotations
 import io
 import json
 import socket
-import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import fastavro
 import pytest
@@ -29,84 +25,7 @@ from tether_messaging.registry import (
     value_subject,
 )
 from tether_messaging.serde import SingleObjectCodec, UnknownSchemaId, decode, encode
-
-FIRST_ID = 0x0102  # ids above 255 make the byte order visible in the frame
-
-
-@dataclass
-class RegistryState:
-    subjects: dict[str, list[int]] = field(default_factory=dict)
-    schemas: dict[int, str] = field(default_factory=dict)
-    requests: list[tuple[str, str]] = field(default_factory=list)
-    fail_with: int | None = None
-
-
-def make_handler(state: RegistryState):
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):  # keep test output quiet
-            pass
-
-        def _send(self, status: int, body) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/vnd.schemaregistry.v1+json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_POST(self):
-            state.requests.append(("POST", self.path))
-            length = int(self.headers["Content-Length"])
-            body = json.loads(self.rfile.read(length))
-            if state.fail_with:
-                return self._send(state.fail_with, {"error_code": state.fail_with * 100 + 1, "message": "refused"})
-            parts = self.path.strip("/").split("/")
-            if len(parts) != 3 or parts[0] != "subjects" or parts[2] != "versions":
-                return self._send(404, {"error_code": 404, "message": "not found"})
-            schema_text = body["schema"]
-            json.loads(schema_text)  # a real registry rejects invalid JSON with 422
-            for schema_id, text in state.schemas.items():
-                if text == schema_text:
-                    break
-            else:
-                schema_id = FIRST_ID + len(state.schemas)
-                state.schemas[schema_id] = schema_text
-            versions = state.subjects.setdefault(parts[1], [])
-            if schema_id not in versions:
-                versions.append(schema_id)
-            return self._send(200, {"id": schema_id})
-
-        def do_GET(self):
-            state.requests.append(("GET", self.path))
-            if state.fail_with:
-                return self._send(state.fail_with, {"error_code": state.fail_with * 100, "message": "failing"})
-            parts = self.path.strip("/").split("/")
-            if parts[:2] == ["schemas", "ids"] and len(parts) == 3:
-                text = state.schemas.get(int(parts[2]))
-                if text is None:
-                    return self._send(404, {"error_code": 40403, "message": "Schema not found"})
-                return self._send(200, {"schema": text})
-            if parts[0] == "subjects" and len(parts) == 3 and parts[2] == "versions":
-                if parts[1] not in state.subjects:
-                    return self._send(404, {"error_code": 40401, "message": "Subject not found"})
-                return self._send(200, list(range(1, len(state.subjects[parts[1]]) + 1)))
-            return self._send(404, {"error_code": 404, "message": "not found"})
-
-    return Handler
-
-
-@pytest.fixture
-def registry() -> Iterator[tuple[str, RegistryState]]:
-    state = RegistryState()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", state
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+from tether_testing.schema_registry import FIRST_ID
 
 
 def envelope(reason: str = "enough") -> Envelope:
@@ -118,8 +37,8 @@ def envelope(reason: str = "enough") -> Envelope:
     )
 
 
-def test_codec_registers_under_topic_value_subject_and_frames_with_the_id(registry):
-    url, state = registry
+def test_codec_registers_under_topic_value_subject_and_frames_with_the_id(schema_registry):
+    url, state = schema_registry
     codec = RegistryCodec(SchemaRegistryClient(url))
     data = codec.encode_value(envelope(), "tether.commands.v1")
     assert data[:5] == b"\x00\x00\x00\x01\x02"
@@ -128,8 +47,8 @@ def test_codec_registers_under_topic_value_subject_and_frames_with_the_id(regist
     assert codec.decode_value(data) == envelope()
 
 
-def test_client_caches_registration_and_lookups(registry):
-    url, state = registry
+def test_client_caches_registration_and_lookups(schema_registry):
+    url, state = schema_registry
     codec = RegistryCodec(SchemaRegistryClient(url))
     for i in range(3):
         codec.encode_value(envelope(str(i)), "t1")
@@ -145,15 +64,15 @@ def test_client_caches_registration_and_lookups(registry):
     assert reader.client.versions("nope-value") == []
 
 
-def test_registry_codec_reads_single_object_values_too(registry):
-    url, _ = registry
+def test_registry_codec_reads_single_object_values_too(schema_registry):
+    url, _ = schema_registry
     codec = RegistryCodec(SchemaRegistryClient(url))
     assert codec.decode_value(encode(envelope())) == envelope()
 
 
-def test_older_writer_schema_from_the_registry_is_resolved(registry):
+def test_older_writer_schema_from_the_registry_is_resolved(schema_registry):
     """A producer registered an Envelope without `traceparent`; its data reads with traceparent=None."""
-    url, state = registry
+    url, state = schema_registry
     old = json.loads(json.dumps(schema_set().standalone["tether.v1.Envelope"]))
     old["fields"] = [f for f in old["fields"] if f["name"] != "traceparent"]
     client = SchemaRegistryClient(url)
@@ -167,15 +86,15 @@ def test_older_writer_schema_from_the_registry_is_resolved(registry):
     assert decoded == envelope()
 
 
-def test_unknown_schema_id(registry):
-    url, _ = registry
+def test_unknown_schema_id(schema_registry):
+    url, _ = schema_registry
     with pytest.raises(UnknownSchemaId) as err:
         decode(b"\x00\x00\x00\x30\x39\x00", registry=SchemaRegistryClient(url))
     assert err.value.schema_id == 12345
 
 
-def test_registry_refusal_and_outage_are_told_apart(registry):
-    url, state = registry
+def test_registry_refusal_and_outage_are_told_apart(schema_registry):
+    url, state = schema_registry
     client = SchemaRegistryClient(url)
     state.fail_with = 409
     with pytest.raises(SchemaRegistryError) as refused:
@@ -197,8 +116,8 @@ def test_unreachable_registry_is_unavailable():
         client.schema(1)
 
 
-def test_codec_is_chosen_by_the_registry_url(registry):
-    url, _ = registry
+def test_codec_is_chosen_by_the_registry_url(schema_registry):
+    url, _ = schema_registry
     assert isinstance(envelope_codec(None), SingleObjectCodec)
     assert isinstance(envelope_codec(""), SingleObjectCodec)
     codec = envelope_codec(url)

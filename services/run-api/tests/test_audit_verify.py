@@ -34,9 +34,12 @@ from tether_contracts.records import (
 )
 from tether_messaging.chain import seal
 from tether_messaging.envelopes import derived_id, headers_for, make_envelope
-from tether_messaging.serde import encode, open_payload
+from tether_messaging.registry import RegistryCodec, SchemaRegistryClient, value_subject
+from tether_messaging.serde import EnvelopeCodec, encode, open_payload
 from tether_run_api.audit import AuditConfig, render_text, verify_log
 from tether_run_api.cli import main as cli
+from tether_run_api.cli.audit import EXIT_UNREADABLE
+from tether_run_api.cli.client import CliError
 from tether_tool_gateway.builtin_tools import builtin_tool_specs
 
 RUN, TENANT = "run-audit-1", "t1"
@@ -222,12 +225,25 @@ def test_an_approval_decision_that_does_not_follow_is_reported():
 
 
 
-def _publish(bootstrap: str, topic: str, log: list[Envelope]) -> None:
+def _publish(bootstrap: str, topic: str, log: list[Envelope], codec: EnvelopeCodec | None = None) -> None:
     producer = Producer({"bootstrap.servers": bootstrap})
     for env in log:
-        producer.produce(topic, key=env.run_id.encode(), value=encode(env), partition=1,
-                         headers=headers_for(env))
+        value = codec.encode_value(env, topic) if codec else encode(env)
+        producer.produce(topic, key=env.run_id.encode(), value=value, partition=1, headers=headers_for(env))
     assert producer.flush(30) == 0
+
+
+def _unapproved_email_run(run_id: str) -> list[Envelope]:
+    """A run whose send_email ran without approval, sealed on a chain of its own under `run_id`."""
+    bad = Sequencer(_submit())
+    bad.intake(_model(1, 1), "planner", "m1")
+    req, call = _call(1, 0, "send_email", {"to": "x@evil.test", "subject": "s", "body": "b"})
+    bad.intake(req, "planner", "r1.0")
+    bad.intake(_completed(call, 1, '{"sent":true}'), "tool-gateway", "c1.0")
+    forged: list[Envelope] = []
+    for e in bad.log:
+        forged.append(seal(e.model_copy(update={"run_id": run_id}), e.seq, forged[-1].hash if forged else "0" * 64))
+    return forged
 
 
 @pytest.mark.integration
@@ -246,16 +262,7 @@ def test_cli_reads_the_log_from_kafka_and_exits_non_zero_on_a_mismatch(kafka_boo
         assert report["ok"] is True and report["events"] == len(clean) and report["runs"] == 1
 
         # A second run whose send_email ran without approval: the audit fails and names it.
-        bad = Sequencer(_submit())
-        bad.intake(_model(1, 1), "planner", "m1")
-        req, call = _call(1, 0, "send_email", {"to": "x@evil.test", "subject": "s", "body": "b"})
-        bad.intake(req, "planner", "r1.0")
-        bad.intake(_completed(call, 1, '{"sent":true}'), "tool-gateway", "c1.0")
-        forged: list[Envelope] = []
-        for e in bad.log:  # the same story under another run id, on a chain of its own
-            forged.append(seal(e.model_copy(update={"run_id": "run-audit-2"}), e.seq,
-                               forged[-1].hash if forged else "0" * 64))
-        _publish(kafka_bootstrap, topic, forged)
+        _publish(kafka_bootstrap, topic, _unapproved_email_run("run-audit-2"))
         failed = CliRunner().invoke(cli.app, ["audit", "verify", "--bootstrap", kafka_bootstrap,
                                               "--topic-prefix", prefix])
         assert failed.exit_code == 3, failed.output
@@ -263,5 +270,43 @@ def test_cli_reads_the_log_from_kafka_and_exits_non_zero_on_a_mismatch(kafka_boo
         only_clean = CliRunner().invoke(cli.app, ["audit", "verify", "--bootstrap", kafka_bootstrap,
                                                   "--topic-prefix", prefix, "--run", RUN])
         assert only_clean.exit_code == 0, only_clean.output
+    finally:
+        admin.delete_topics([topic])
+
+
+@pytest.mark.integration
+def test_cli_verifies_a_log_the_services_wrote_in_the_registry_wire_format(kafka_bootstrap, schema_registry):
+    # With TETHER_SCHEMA_REGISTRY_URL set the services write Confluent-framed values (docs/serde.md).
+    # This log switched formats mid-run, as one does when a deployment turns the registry on.
+    url, state = schema_registry
+    prefix = f"audit-{uuid.uuid4().hex[:10]}."
+    topic = prefix + "tether.run-events.v1"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])[topic].result(30)
+    verify = ["audit", "verify", "--bootstrap", kafka_bootstrap, "--topic-prefix", prefix]
+    try:
+        clean = clean_run().log
+        half = len(clean) // 2
+        registry_codec = RegistryCodec(SchemaRegistryClient(url))
+        _publish(kafka_bootstrap, topic, clean[:half])
+        forged = _unapproved_email_run("run-audit-2")
+        _publish(kafka_bootstrap, topic, clean[half:] + forged, registry_codec)
+        assert state.subjects[value_subject(topic)], "the values were not registry-framed"
+
+        report = CliRunner().invoke(cli.app, [*verify, "--schema-registry-url", url, "--json"])
+        assert report.exit_code == 3, report.output
+        found = json.loads(report.stdout)
+        assert found["events"] == len(clean) + len(forged) and found["runs"] == 2
+        assert {f["run_id"] for f in found["mismatches"]} == {"run-audit-2"}
+        assert "gateway" in {f["check"] for f in found["mismatches"]}
+        clean_only = CliRunner().invoke(cli.app, [*verify, "--run", RUN],
+                                        env={"TETHER_SCHEMA_REGISTRY_URL": url})
+        assert clean_only.exit_code == 0, clean_only.output
+
+        # Without the registry the framed records cannot be read: exit 4, saying what is missing.
+        unreadable = CliRunner().invoke(cli.app, verify, env={"TETHER_SCHEMA_REGISTRY_URL": None})
+        assert isinstance(unreadable.exception, CliError), unreadable.output
+        assert unreadable.exception.exit_code == EXIT_UNREADABLE
+        assert "UNKNOWN_SCHEMA_ID" in str(unreadable.exception) and "schema registry URL" in str(unreadable.exception)
     finally:
         admin.delete_topics([topic])

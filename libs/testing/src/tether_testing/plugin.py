@@ -11,6 +11,7 @@ import pytest
 from tether_testing.kafka import KafkaTopics
 from tether_testing.postgres import PgSchema, create_schema, drop_schema
 from tether_testing.processes import ServiceProcesses
+from tether_testing.schema_registry import RegistryState, stand_in_registry
 from tether_testing.stack import LocalStack, Stack, StackUnavailable, find_repo_root
 
 
@@ -112,3 +113,10 @@ def service_processes(tmp_path: Path) -> Iterator[ServiceProcesses]:
     processes = ServiceProcesses(tmp_path / "services")
     yield processes
     processes.stop_all()
+
+
+@pytest.fixture
+def schema_registry() -> Iterator[tuple[str, RegistryState]]:
+    """A stand-in Confluent Schema Registry on 127.0.0.1 (tether_testing.schema_registry): (base URL, its state)."""
+    with stand_in_registry() as served:
+        yield served

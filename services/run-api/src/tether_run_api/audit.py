@@ -1,7 +1,7 @@
 """`tether audit verify`: re-derive every run's chain, budget, gateway and approval decisions from the log.
 
 Pure over a list of sequenced envelopes (`verify_log`); `read_run_log` reads them from Kafka
-(read_committed, every partition from offset 0). The budget's decisions are replayed with its
+(read_committed, every partition from offset 0, either wire format). The budget's decisions are replayed with its
 own domain (`tether_budget.domain.decisions`), fed the run's recorded inputs in sequence order
 at the time the budget recorded its decisions; the gateway's with `GatewayAudit`; approval
 decisions against the pending request they decide. What the log alone cannot show is said so
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -40,6 +38,7 @@ from tether_contracts.records import (
 )
 from tether_messaging.chain import verify_chain
 from tether_messaging.envelopes import derived_id
+from tether_messaging.logreader import read_to_end
 from tether_messaging.serde import SerdeError, open_payload
 from tether_tool_gateway.audit import GatewayAudit
 from tether_tool_gateway.domain.policy import BasicPolicy, Policy, TrustPolicy
@@ -49,10 +48,6 @@ BUDGET = "budget"
 _CANCELLED = re.compile(r"^cancelled by (?P<who>\S+) \((?:the submitter|a member of the tenant)\)(?:: (?P<why>.*))?$",
                         re.DOTALL)
 _TENANT_DECISIONS = (RunQueued, StepDeferred)
-
-
-class LogReadError(Exception):
-    """The run event log could not be read to its end (broker unreachable, a record that does not decode)."""
 
 
 @dataclass(frozen=True)
@@ -329,54 +324,15 @@ def check_approvals(run_id: str, events: list[Event], policy: ApprovalPolicy) ->
 # -- reading the log ---------------------------------------------------------------------------------
 
 
-def read_run_log(bootstrap: str, topic: str, *, timeout_s: float = 120.0) -> list[Envelope]:
-    """Every committed envelope of `topic` (all partitions, offset 0, read_committed), in partition order."""
-    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+def read_run_log(bootstrap: str, topic: str, *, schema_registry_url: str | None = None,
+                 timeout_s: float = 120.0) -> list[Envelope]:
+    """Every committed envelope of `topic` (all partitions, offset 0, read_committed), in partition order.
 
-    from tether_messaging.serde import decode_envelope
-
-    consumer = Consumer({
-        "bootstrap.servers": bootstrap,
-        "group.id": f"tether-audit-{uuid.uuid4().hex}",
-        "isolation.level": "read_committed",
-        "enable.auto.commit": False,
-        "enable.partition.eof": True,
-    })
-    try:
-        try:
-            meta = consumer.list_topics(topic, timeout=30)
-        except KafkaException as err:
-            raise LogReadError(f"cannot reach Kafka at {bootstrap}: {err}") from err
-        tmeta = meta.topics.get(topic)
-        if tmeta is None or tmeta.error is not None or not tmeta.partitions:
-            raise LogReadError(f"topic {topic} does not exist at {bootstrap}")
-        parts = sorted(tmeta.partitions)
-        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
-        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in parts}
-        done = {p for p, end in ends.items() if end == 0}
-        out: list[Envelope] = []
-        deadline = time.monotonic() + timeout_s
-        while len(done) < len(parts):
-            if time.monotonic() > deadline:
-                raise LogReadError(f"{topic} was not read to its end {ends} within {timeout_s:.0f}s")
-            msg = consumer.poll(0.5)
-            if msg is None:
-                continue
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    if msg.offset() >= ends[msg.partition()]:
-                        done.add(msg.partition())
-                    continue
-                raise LogReadError(msg.error().str())
-            try:
-                out.append(decode_envelope(msg.value()))
-            except SerdeError as err:
-                raise LogReadError(f"{topic}[{msg.partition()}]@{msg.offset()} does not decode: {err}") from err
-            if msg.offset() + 1 >= ends[msg.partition()]:
-                done.add(msg.partition())
-        return out
-    finally:
-        consumer.close()
+    Reads both wire formats (tether_messaging.logreader); a log written with
+    TETHER_SCHEMA_REGISTRY_URL set needs that registry's URL. Raises LogReadError.
+    """
+    return [r.envelope for r in read_to_end(bootstrap, topic, schema_registry_url=schema_registry_url,
+                                            timeout_s=timeout_s, group_prefix="tether-audit")]
 
 
 def render_text(report: AuditReport) -> str:

@@ -8,8 +8,9 @@ from typing import Annotated
 
 import typer
 
+from tether_messaging.logreader import LogReadError
 from tether_messaging.topics import Topics
-from tether_run_api.audit import AuditConfig, LogReadError, policies_from_texts, read_run_log, render_text, verify_log
+from tether_run_api.audit import AuditConfig, policies_from_texts, read_run_log, render_text, verify_log
 from tether_run_api.cli.client import CliError
 
 audit_app = typer.Typer(help="Audit the run event log: hash chains and every decision re-derived.",
@@ -27,6 +28,9 @@ def verify(
                          ] = "127.0.0.1:9092",
     topic_prefix: Annotated[str, typer.Option(help="topic prefix of the deployment", envvar="TETHER_TOPIC_PREFIX")
                             ] = "",
+    schema_registry_url: Annotated[str | None, typer.Option(
+        help="schema registry the services wrote with (needed for a log in the Confluent wire format)",
+        envvar="TETHER_SCHEMA_REGISTRY_URL")] = None,
     run: Annotated[list[str] | None, typer.Option("--run", help="only these run ids (repeatable)")] = None,
     policy_file: Annotated[list[Path] | None, typer.Option(
         help="gateway policy document(s) decisions were made under (default: the built-in one); "
@@ -34,14 +38,15 @@ def verify(
     json_output: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
     timeout_s: Annotated[float, typer.Option(help="give up reading the log after this long")] = 120.0,
 ) -> None:
-    """Read tether.run-events.v1 from offset 0 (read_committed), check every run's hash chain and
-    re-derive its budget, gateway and approval decisions; exit non-zero on any mismatch."""
+    """Read tether.run-events.v1 from offset 0 (read_committed, either wire format), check every run's
+    hash chain and re-derive its budget, gateway and approval decisions; exit non-zero on any mismatch."""
     from tether_run_api.cli.main import _json  # the global --json option counts too
 
     texts = {str(p): p.read_text(encoding="utf-8") for p in policy_file or []}
     config = AuditConfig(gateway_policies=policies_from_texts(texts))
     try:
-        envelopes = read_run_log(bootstrap, Topics(topic_prefix).run_events, timeout_s=timeout_s)
+        envelopes = read_run_log(bootstrap, Topics(topic_prefix).run_events,
+                                 schema_registry_url=schema_registry_url, timeout_s=timeout_s)
     except LogReadError as err:
         raise CliError(f"cannot read the run event log: {err}", exit_code=EXIT_UNREADABLE) from err
     report = verify_log(envelopes, config, run_ids=set(run) if run else None)

@@ -1,0 +1,101 @@
+"""Read a topic to its end as an auditor does: every partition from offset 0, read_committed, decoded by the loop's codec.
+
+`tether audit verify` and the chaos invariant checker read the run event log this way. Values
+are decoded by the same `registry.envelope_codec` the processor loops use, so a log written in
+single-object encoding, in the Confluent wire format (TETHER_SCHEMA_REGISTRY_URL set), or in
+both (a deployment that switched formats) reads the same.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from tether_contracts.records import Envelope
+from tether_messaging.registry import RegistryCodec, SchemaRegistryUnavailable, envelope_codec
+from tether_messaging.serde import EnvelopeCodec, SerdeError, UnknownSchemaId
+
+
+class LogReadError(Exception):
+    """The log could not be read to its end (broker unreachable, no such topic, a record that does not decode)."""
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    """One committed record of the log and where it sits."""
+
+    partition: int
+    offset: int
+    envelope: Envelope
+
+
+def read_to_end(
+    bootstrap: str,
+    topic: str,
+    *,
+    schema_registry_url: str | None = None,
+    codec: EnvelopeCodec | None = None,
+    timeout_s: float = 120.0,
+    group_prefix: str = "tether-log-reader",
+) -> list[LogRecord]:
+    """Every committed record of `topic`, each partition in order, up to the end it had when reading began.
+
+    Confluent-framed values need `schema_registry_url` (the writer schemas are in the registry);
+    single-object values decode either way. `codec` overrides the URL (tests). Raises
+    LogReadError naming the partition and offset of a record that does not decode.
+    """
+    owned_codec = codec is None
+    codec = codec or envelope_codec(schema_registry_url)
+    consumer = Consumer({
+        "bootstrap.servers": bootstrap,
+        # Never committed: the partitions are assigned, not subscribed.
+        "group.id": f"{group_prefix}-{uuid.uuid4().hex}",
+        "isolation.level": "read_committed",
+        "enable.auto.commit": False,
+        "enable.partition.eof": True,
+    })
+    try:
+        try:
+            meta = consumer.list_topics(topic, timeout=30)
+        except KafkaException as err:
+            raise LogReadError(f"cannot reach Kafka at {bootstrap}: {err}") from err
+        topic_meta = meta.topics.get(topic)
+        if topic_meta is None or topic_meta.error is not None or not topic_meta.partitions:
+            raise LogReadError(f"topic {topic} does not exist at {bootstrap}")
+        partitions = sorted(topic_meta.partitions)
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        # With read_committed the high watermark bounds the last stable offset: read until every
+        # partition reports EOF at or past it.
+        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in partitions}
+        done = {p for p, end in ends.items() if end == 0}
+        out: list[LogRecord] = []
+        deadline = time.monotonic() + timeout_s
+        while len(done) < len(partitions):
+            if time.monotonic() > deadline:
+                raise LogReadError(f"{topic} was not read to its end {ends} within {timeout_s:.0f}s")
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    if msg.offset() >= ends[msg.partition()]:
+                        done.add(msg.partition())
+                    continue
+                raise LogReadError(msg.error().str())
+            try:
+                envelope = codec.decode_value(msg.value() or b"")
+            except (SerdeError, SchemaRegistryUnavailable) as err:
+                hint = (" (the log is in the registry's wire format: give the schema registry URL)"
+                        if isinstance(err, UnknownSchemaId) and owned_codec and not schema_registry_url else "")
+                raise LogReadError(f"{topic}[{msg.partition()}]@{msg.offset()} does not decode: {err}{hint}") from err
+            out.append(LogRecord(msg.partition(), msg.offset(), envelope))
+            if msg.offset() + 1 >= ends[msg.partition()]:
+                done.add(msg.partition())
+        return out
+    finally:
+        consumer.close()
+        if owned_codec and isinstance(codec, RegistryCodec):
+            codec.client.close()
