@@ -30,6 +30,7 @@ from tether_tool_gateway.entrypoint import GatewayProcessor
 from tether_tool_gateway.execution import ToolRunner
 from tether_tool_gateway.executors.builtin import BuiltinExecutor
 from tether_tool_gateway.executors.http_tool import HttpToolExecutor
+from tether_tool_gateway.executors.mcp_stdio import McpStdioExecutor
 from tether_tool_gateway.executors.mcp_tool import McpToolExecutor
 from tether_tool_gateway.executors.sandbox import SandboxExecutor
 from tether_tool_gateway.handlers import Deps
@@ -64,8 +65,10 @@ class Gateway:
             try:
                 self.sandbox.probe()
             except SandboxUnavailable as exc:
-                # Tools of kind 'sandbox' then fail with EXECUTOR_UNAVAILABLE; nothing runs unsandboxed.
+                # Tools of kind 'sandbox' and 'mcp_stdio' then fail with EXECUTOR_UNAVAILABLE; nothing runs
+                # unsandboxed.
                 self.runner.remove_executor("sandbox")
+                self.runner.remove_executor("mcp_stdio")
                 log.warning("sandbox_unavailable", error=str(exc))
 
     def close(self) -> None:
@@ -119,6 +122,7 @@ def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None,
         try:
             sandbox = SandboxRunner()
             executors["sandbox"] = SandboxExecutor(sandbox)
+            executors["mcp_stdio"] = McpStdioExecutor(sandbox, allowed_roots=settings.mcp_stdio_roots)
         except SandboxUnavailable as exc:
             # Tools of kind 'sandbox' then fail with EXECUTOR_UNAVAILABLE; nothing runs unsandboxed.
             log.warning("sandbox_unavailable", error=str(exc))

@@ -1,15 +1,28 @@
-"""A small MCP server (the SDK's MCPServer, formerly FastMCP) over streamable HTTP on 127.0.0.1, for tests and demos."""
+"""A small MCP server (the SDK's MCPServer, formerly FastMCP) for tests and demos: over streamable HTTP on
+127.0.0.1, or over stdio in the gateway's sandbox (`python -m tether_tool_gateway.mcp_testing`)."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import sys
+import sysconfig
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import uvicorn
+import anyio
 from mcp.server.mcpserver import MCPServer
+
+if TYPE_CHECKING:  # not imported at run time: the sandboxed stdio server has only this module and the SDK
+    import uvicorn
+
+    from tether_security.sandbox import SandboxRunner
+    from tether_tool_gateway.executors.mcp_stdio import StdioServer
 
 
 @dataclass
@@ -55,6 +68,122 @@ def demo_server(calls: list[dict[str, Any]]) -> MCPServer:
     return server
 
 
+def stdio_demo_server() -> MCPServer:
+    """`demo_server`'s tools, plus `where()` (facts of the process's surroundings: inside the sandbox, uid
+    65534, host name "sandbox", loopback only; and its DEMO_* environment) and two that misbehave as only a
+    process can: `crash(code)` exits mid-call, `hang(seconds)` does not answer. Run as a program with
+    DEMO_BANNER set, it first prints that banner to stdout, the classic mistake that breaks the protocol
+    (the SDK keeps a tool's own prints off the wire while it serves; nothing protects what comes before)."""
+    server = demo_server([])
+
+    @server.tool(description="Where the server runs: uid, host name, network interfaces, DEMO_* variables.")
+    def where() -> dict[str, Any]:
+        return {"uid": os.getuid(), "hostname": socket.gethostname(),
+                "interfaces": sorted(name for _, name in socket.if_nameindex()),
+                "env": {k: v for k, v in os.environ.items() if k.startswith("DEMO_")}}
+
+    @server.tool(description="Exit the server process with `code` before answering.")
+    def crash(code: int) -> str:
+        sys.stderr.write(f"crashing on purpose with exit code {code}\n")
+        sys.stderr.flush()
+        os._exit(code)
+
+    @server.tool(description="Wait `seconds` before answering.")
+    async def hang(seconds: float) -> str:
+        await anyio.sleep(seconds)
+        return "woke up"
+
+    return server
+
+
+class StdioDemoUnavailable(RuntimeError):
+    """The sandbox cannot run the stdio demo server from this checkout (the message says why)."""
+
+
+#: The interpreter inside the sandbox: the host's /usr is all the sandbox has of the system.
+SANDBOX_PYTHON = "/usr/bin/python3"
+# One session of what a client sends (initialize, tools/list, tools/call), so a warm-up run of the
+# server imports, and compiles, what a real session needs.
+_WARM_UP_SESSION = [
+    {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+     "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                "clientInfo": {"name": "warm-up", "version": "0"}}},
+    {"jsonrpc": "2.0", "method": "notifications/initialized"},
+    {"jsonrpc": "2.0", "id": 2, "method": "tools/list"},
+    {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {"name": "add", "arguments": {"a": 1, "b": 2}}},
+]
+
+
+def _reachable_by_sandbox_user(path: Path) -> str | None:
+    """Why uid 65534 (the sandbox's user, as which bubblewrap binds paths) cannot reach `path`, or None."""
+    for directory in (path, *path.parents):
+        mode = directory.stat().st_mode
+        if not mode & 0o001:
+            return f"{directory} is mode {mode & 0o777:o} (not searchable by others)"
+    return None
+
+
+def prepare_stdio_demo(runner: SandboxRunner, workdir: Path | None = None) -> StdioServer:
+    """How the gateway's sandbox runs `stdio_demo_server` from this checkout, made ready to start fast.
+
+    The sandbox has the host's /usr, so the server runs on the system python3 with this venv's
+    packages and this package's source bound read-only. The venv's packages carry no bytecode
+    (uv installs none), and compiling the SDK at every start costs seconds: one warm-up run, in
+    the sandbox, writes the bytecode into `workdir` (a fresh world-readable directory by default;
+    the caller removes it), which later runs read through PYTHONPYCACHEPREFIX. Raises
+    StdioDemoUnavailable when this machine cannot do it (another Python minor version in /usr,
+    or a checkout uid 65534 cannot reach)."""
+    from tether_tool_gateway.executors.mcp_stdio import StdioServer
+
+    src = Path(__file__).resolve().parents[1]
+    site = Path(sysconfig.get_paths()["purelib"]).resolve()
+    if not os.access(SANDBOX_PYTHON, os.X_OK):
+        raise StdioDemoUnavailable(f"{SANDBOX_PYTHON} is missing")
+    version = ".".join(map(str, sys.version_info[:2]))
+    reason = None
+    for path in (src, site):
+        reason = reason or _reachable_by_sandbox_user(path)
+    if reason:
+        raise StdioDemoUnavailable(f"the sandbox user cannot reach this checkout: {reason}")
+    if workdir is None:
+        workdir = Path(tempfile.mkdtemp(prefix="tether-mcp-stdio-"))
+        workdir.chmod(0o755)
+    pycache = workdir.resolve()
+    command = (SANDBOX_PYTHON, "-m", "tether_tool_gateway.mcp_testing")
+    env = {"PYTHONPATH": f"{src}:{site}"}
+    session = "".join(json.dumps(m) + "\n" for m in _WARM_UP_SESSION).encode()
+    warm = runner.run([SANDBOX_PYTHON, "-c", f"import sys; assert sys.version.startswith('{version}.'), sys.version; "
+                                             "import runpy; runpy.run_module('tether_tool_gateway.mcp_testing', "
+                                             "run_name='__main__')"],
+                      workdir=pycache, stdin=session, read_only_paths=[str(src), str(site)],
+                      env={**env, "PYTHONPYCACHEPREFIX": "/sandbox"})
+    if not warm.ok or b'"id":2' not in warm.stdout.replace(b" ", b""):
+        raise StdioDemoUnavailable(f"the demo server did not run in the sandbox ({warm.error_code}): "
+                                   f"{warm.stderr[-1000:].decode(errors='replace')}")
+    return StdioServer(command=command, read_only_paths=(str(src), str(site), str(pycache)),
+                       env={**env, "PYTHONPYCACHEPREFIX": str(pycache), "PYTHONDONTWRITEBYTECODE": "1"})
+
+
+_SHARED_DEMO: list[StdioServer] = []
+_SHARED_DEMO_LOCK = threading.Lock()
+
+
+def shared_stdio_demo() -> StdioServer:
+    """`prepare_stdio_demo` once per process (the warm-up costs seconds; every test may share its bytecode);
+    its directory is removed when the process exits."""
+    import atexit
+    import shutil
+
+    from tether_security.sandbox import SandboxRunner
+
+    with _SHARED_DEMO_LOCK:
+        if not _SHARED_DEMO:
+            server = prepare_stdio_demo(SandboxRunner())
+            atexit.register(shutil.rmtree, server.read_only_paths[-1], ignore_errors=True)
+            _SHARED_DEMO.append(server)
+        return _SHARED_DEMO[0]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -64,6 +193,8 @@ def _free_port() -> int:
 def start_mcp_server(server: MCPServer | None = None, *, calls: list[dict[str, Any]] | None = None,
                      timeout_s: float = 20.0) -> RunningMcpServer:
     """Serve `server` (default: `demo_server`) at http://127.0.0.1:<port>/mcp until `stop()`."""
+    import uvicorn
+
     calls = [] if calls is None else calls
     server = server or demo_server(calls)
     port = _free_port()
@@ -78,3 +209,9 @@ def start_mcp_server(server: MCPServer | None = None, *, calls: list[dict[str, A
             raise RuntimeError("the MCP test server did not start")
         time.sleep(0.05)
     return RunningMcpServer(url=f"http://127.0.0.1:{port}/mcp", calls=calls, _server=uv, _thread=thread)
+
+
+if __name__ == "__main__":
+    if os.environ.get("DEMO_BANNER"):
+        print(os.environ["DEMO_BANNER"], flush=True)
+    stdio_demo_server().run("stdio")

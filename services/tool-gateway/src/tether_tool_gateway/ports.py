@@ -70,7 +70,7 @@ class ExecutionRequest:
 
 
 class Executor(Protocol):
-    """Runs tools of one executor_kind ('builtin', 'http', 'mcp', 'sandbox').
+    """Runs tools of one executor_kind ('builtin', 'http', 'mcp', 'mcp_stdio', 'sandbox').
 
     Returns the result as a JSON-compatible value, or raises `ToolError` (TIMEOUT, TOOL_ERROR,
     INVALID_RESULT, ...). Any other exception is reported as TOOL_ERROR. Called on a worker

@@ -34,8 +34,12 @@ class GatewaySettings(ServiceSettings):
     result_max_bytes: int = Field(8 * 1024 * 1024, ge=1, description="Larger results fail with OVERSIZED_RESULT.")
 
     # -- sandbox ------------------------------------------------------------------------------
-    sandbox_enabled: bool = Field(True, description="Offer executor_kind 'sandbox' (bubblewrap); probed at start-up, "
-                                                    "left out (EXECUTOR_UNAVAILABLE) if it cannot work here.")
+    sandbox_enabled: bool = Field(True, description="Offer executor_kinds 'sandbox' and 'mcp_stdio' (bubblewrap); probed "
+                                                    "at start-up, left out (EXECUTOR_UNAVAILABLE) if it cannot work here.")
+    mcp_stdio_roots: list[str] = Field(
+        default_factory=list,
+        description="Host directories whose contents 'mcp_stdio' tools may bind read-only into their sandbox (where "
+                    "the operator installed MCP servers, e.g. [\"/opt/tether-mcp\"]); JSON list. Empty: none.")
 
     # -- secrets ------------------------------------------------------------------------------
     secrets_path: str | None = Field(None, description="Secret store for tools (tether_security.FileSecretProvider): "

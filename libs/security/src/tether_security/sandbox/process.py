@@ -27,7 +27,7 @@ class SandboxExit:
     exit_code: int | None  # the command's exit status; None when it died by a signal or never ran
     killed_by_signal: int | None  # the signal that ended the command (SIGKILL when the parent killed it)
     timed_out: bool  # killed at the wall-clock limit
-    killed: bool  # killed by the parent: kill(), close(), or the wall clock
+    killed: bool  # ended by the parent (kill(), close(), or the wall clock), not by itself
     setup_failed: bool  # bubblewrap exited before running the command (stderr says why)
     stderr_tail: bytes  # the last STDERR_TAIL_BYTES of what the command wrote to stderr
     stderr_bytes: int  # how much it wrote to stderr in all
@@ -192,7 +192,10 @@ def _exit_of(rc: int, status: bytes, *, killed: bool, timed_out: bool, stderr_ta
         sig = -rc  # killed (by the parent) before the command ended
     else:
         setup_failed = True  # bwrap gave up before the command started
-    return SandboxExit(exit_code=exit_code, killed_by_signal=sig, timed_out=timed_out, killed=killed,
+    # A kill that came after the command had ended by itself (bwrap had reported its status) did not end it.
+    ended_by_itself = exit_doc is not None
+    return SandboxExit(exit_code=exit_code, killed_by_signal=sig, timed_out=timed_out and not ended_by_itself,
+                       killed=killed and not ended_by_itself,
                        setup_failed=setup_failed, stderr_tail=stderr_tail, stderr_bytes=stderr_bytes,
                        duration_seconds=duration)
 

@@ -20,7 +20,7 @@ AGENT_ID = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 # Tool names are function names the model emits, so they follow the providers' common subset.
 TOOL_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 PROVIDER = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
-EXECUTOR_KINDS = frozenset({"builtin", "http", "mcp", "sandbox"})
+EXECUTOR_KINDS = frozenset({"builtin", "http", "mcp", "mcp_stdio", "sandbox"})
 
 DEFAULT_CONTEXT_WINDOW = 128_000
 DEFAULT_COMPACTION_THRESHOLD = 0.8

@@ -1,7 +1,9 @@
-"""Registration-time checks of an 'http' or 'mcp' tool's executor config (pure: run-api calls them on RegisterTool)."""
+"""Registration-time checks of an 'http', 'mcp' or 'mcp_stdio' tool's executor config (pure: run-api calls them on
+RegisterTool; the gateway checks again before each call)."""
 
 from __future__ import annotations
 
+import posixpath
 import re
 from typing import Any
 from urllib.parse import urlsplit
@@ -42,9 +44,8 @@ def _header_problems(config: dict[str, Any]) -> list[str]:
     for name, value in headers.items():
         if name.lower() == "idempotency-key":
             problems.append("'Idempotency-Key' is set by the gateway (the call's key)")
-        # Whatever is left once the handles are taken out must not look like a credential.
-        if _SECRETS.findings(_HANDLE.sub("", value)) or (name.lower() in ("authorization", "x-api-key", "cookie")
-                                                         and not _HANDLE.search(value)):
+        if _secret_looking(value) or (name.lower() in ("authorization", "x-api-key", "cookie")
+                                      and not _HANDLE.search(value)):
             problems.append(f"header {name!r} holds what looks like a secret value; store it in the secret "
                             "store and reference it as secret://<name>")
     return problems
@@ -57,8 +58,82 @@ def _int_problem(config: dict[str, Any], key: str, low: int, high: int) -> list[
     return [f"'{key}' must be an integer from {low} to {high}"]
 
 
+def _secret_looking(value: str) -> bool:
+    # Whatever is left once the handles are taken out must not look like a credential.
+    return bool(_SECRETS.findings(_HANDLE.sub("", value)))
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MAX_PATHS = 32
+_MAX_ARGS = 64
+#: Sandbox limits a stdio server's config may set (e.g. more address space for a JIT runtime), and their caps.
+STDIO_LIMIT_CAPS = {
+    "memory_bytes": 16 << 30,
+    "cpu_seconds": 600,
+    "max_processes": 1024,
+    "max_open_files": 65536,
+    "max_file_bytes": 1 << 30,
+    "tmp_bytes": 4 << 30,
+    "work_bytes": 4 << 30,
+}
+_STDIO_KEYS = {"command", "tool", "read_only_paths", "env", "max_response_bytes", "limits"}
+
+
+def _stdio_problems(config: dict[str, Any]) -> list[str]:
+    problems = []
+    unknown = sorted(set(config) - _STDIO_KEYS)
+    if {"url", "headers", "allow_hosts"} & set(unknown):
+        problems.append("a stdio MCP server runs in the gateway's sandbox, which has no network: 'url', 'headers' "
+                        "and 'allow_hosts' do not apply (a server that needs the network is registered as "
+                        "executor_kind 'mcp', over streamable HTTP)")
+    elif unknown:
+        problems.append(f"unknown keys {unknown}; an 'mcp_stdio' config has {sorted(_STDIO_KEYS)}")
+    command = config.get("command")
+    if (not isinstance(command, list) or not command or len(command) > _MAX_ARGS
+            or not all(isinstance(a, str) and a and "\x00" not in a for a in command)):
+        problems.append(f"'command' is required: the server's argv, a list of 1 to {_MAX_ARGS} non-empty strings")
+    elif any("secret://" in a or _secret_looking(a) for a in command):
+        problems.append("'command' must not carry secrets (a command line is visible to every user of the host); "
+                        "pass them in 'env' as secret://<name> handles")
+    paths = config.get("read_only_paths", [])
+    if not isinstance(paths, list) or len(paths) > _MAX_PATHS or not all(isinstance(p, str) for p in paths):
+        problems.append(f"'read_only_paths' must be a list of at most {_MAX_PATHS} absolute paths")
+    else:
+        for path in paths:
+            if not path.startswith("/") or path == "/" or posixpath.normpath(path) != path or "\x00" in path:
+                problems.append(f"read-only path {path!r} must be an absolute, normalized path other than /")
+    env = config.get("env", {})
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        problems.append("'env' must be an object of strings")
+    else:
+        for name, value in env.items():
+            if not _ENV_NAME.match(name) or "\x00" in value:
+                problems.append(f"environment variable {name!r}: the name must be [A-Za-z_][A-Za-z0-9_]*, the value "
+                                "without NUL bytes")
+            elif _secret_looking(value):
+                problems.append(f"environment variable {name!r} holds what looks like a secret value; store it in "
+                                "the secret store and reference it as secret://<name>")
+    limits = config.get("limits", {})
+    if not isinstance(limits, dict):
+        problems.append("'limits' must be an object")
+    else:
+        for name, value in limits.items():
+            cap = STDIO_LIMIT_CAPS.get(name)
+            if cap is None:
+                problems.append(f"'limits' may set {sorted(STDIO_LIMIT_CAPS)}, not {name!r}")
+            else:
+                problems += _int_problem(limits, name, 1, cap)
+    return problems
+
+
 def executor_config_problems(kind: str, config: dict[str, Any]) -> list[str]:
-    """What is wrong with an executor config of kind 'http' or 'mcp' (other kinds: nothing checked here)."""
+    """What is wrong with an executor config of kind 'http', 'mcp' or 'mcp_stdio' (other kinds: not checked here)."""
+    if kind == "mcp_stdio":
+        problems = _stdio_problems(config)
+        problems += _int_problem(config, "max_response_bytes", 1, _MAX_RESPONSE_BYTES)
+        if not isinstance(config.get("tool"), str) or not config["tool"]:
+            problems.append("'tool' is required (the tool's name on the MCP server)")
+        return problems
     if kind not in ("http", "mcp"):
         return []
     problems = _url_problems(config) + _header_problems(config)

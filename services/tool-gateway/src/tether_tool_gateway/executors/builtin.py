@@ -82,6 +82,11 @@ def _headers(config: dict[str, Any], secrets: SecretProvider) -> dict[str, str]:
     headers = config.get("headers", {})
     if not isinstance(headers, dict):
         raise ToolError("EXECUTOR_UNAVAILABLE", "executor config 'headers' must be an object")
+    return resolve_secret_handles(headers, secrets)
+
+
+def resolve_secret_handles(values: dict[str, Any], secrets: SecretProvider) -> dict[str, str]:
+    """`values` with every `secret://name` handle inside them replaced by the secret's value, resolved now."""
 
     def value(match: re.Match[str]) -> str:
         try:
@@ -89,7 +94,7 @@ def _headers(config: dict[str, Any], secrets: SecretProvider) -> dict[str, str]:
         except SecretNotFound:
             raise ToolError("EXECUTOR_UNAVAILABLE", f"secret {match.group(0)!r} is not configured") from None
 
-    return {str(k): _HANDLE.sub(value, str(v)) for k, v in headers.items()}
+    return {str(k): _HANDLE.sub(value, str(v)) for k, v in values.items()}
 
 
 # -- http_get ----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import httpx
 import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp_types import CallToolResult
 
 from tether_contracts.records import RiskClass, ToolSpec
 from tether_tool_gateway.domain.errors import ToolError
@@ -41,7 +42,11 @@ DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
 
 
 class OversizedAnswer(Exception):
-    """The server announced an answer larger than the tool's cap (raised before it is read)."""
+    """The server announced (or sent) an answer larger than the tool's cap; it is not read further."""
+
+
+class InvalidServerOutput(Exception):
+    """The server sent something that is not an MCP (JSON-RPC) message where only those may be."""
 
 
 def _client(url: httpx.URL, headers: dict[str, str], timeout_s: float,
@@ -79,10 +84,14 @@ def _find(exc: BaseException, kind: type[BaseException]) -> BaseException | None
     return None
 
 
-def _transport_error(exc: BaseException, what: str) -> ToolError:
+def transport_error(exc: BaseException, what: str) -> ToolError:
+    """The ToolError for a failed MCP exchange, whatever the transport (streamable HTTP or stdio)."""
     oversized = _find(exc, OversizedAnswer)
     if oversized is not None:
         return ToolError("OVERSIZED_RESULT", str(oversized))
+    invalid = _find(exc, InvalidServerOutput)
+    if invalid is not None:
+        return ToolError("INVALID_RESULT", str(invalid))
     inner = _flatten(exc)
     if isinstance(inner, (TimeoutError, httpx2.TimeoutException)):
         return ToolError("TIMEOUT", f"the MCP server did not answer {what} in time", retryable=True)
@@ -120,15 +129,20 @@ class McpToolExecutor:
         except ToolError:
             raise
         except Exception as exc:  # transport, protocol (MCPError) and timeouts alike
-            raise _transport_error(exc, f"tools/call {remote!r}") from exc
-        content = [_jsonable(block) for block in result.content]
-        if result.is_error:
-            text = " ".join(b.get("text", "") for b in content if isinstance(b, dict))
-            raise ToolError("TOOL_ERROR", f"the MCP tool {remote!r} reported an error: {text[:500]}")
-        out: dict[str, Any] = {"content": content}
-        if result.structured_content is not None:
-            out["structured_content"] = result.structured_content
-        return out
+            raise transport_error(exc, f"tools/call {remote!r}") from exc
+        return call_result(remote, result)
+
+
+def call_result(remote: str, result: CallToolResult) -> dict[str, Any]:
+    """What the gateway records for a tools/call answer; a result the server flags `isError` is a ToolError."""
+    content = [_jsonable(block) for block in result.content]
+    if result.is_error:
+        text = " ".join(b.get("text", "") for b in content if isinstance(b, dict))
+        raise ToolError("TOOL_ERROR", f"the MCP tool {remote!r} reported an error: {text[:500]}")
+    out: dict[str, Any] = {"content": content}
+    if result.structured_content is not None:
+        out["structured_content"] = result.structured_content
+    return out
 
 
 # -- listing and registering a server's tools ---------------------------------------------------
@@ -141,25 +155,30 @@ class McpTool:
     input_schema: dict[str, Any]
 
 
+async def declared_tools(client: Client) -> list[McpTool]:
+    """Every page of the connected server's tools/list."""
+    tools: list[McpTool] = []
+    cursor: str | None = None
+    while True:
+        page = await client.list_tools(cursor=cursor)
+        tools += [McpTool(t.name, t.description or "", dict(t.input_schema)) for t in page.tools]
+        cursor = page.next_cursor
+        if not cursor:
+            return tools
+
+
 def list_mcp_tools(url: str, *, headers: dict[str, str] | None = None, timeout_s: float = 30.0) -> list[McpTool]:
     """The tools the server at `url` (streamable HTTP) declares, every page of tools/list."""
 
     async def fetch() -> list[McpTool]:
-        tools: list[McpTool] = []
         with anyio.fail_after(timeout_s):
             async with _client(httpx.URL(url), dict(headers or {}), timeout_s) as client:
-                cursor: str | None = None
-                while True:
-                    page = await client.list_tools(cursor=cursor)
-                    tools += [McpTool(t.name, t.description or "", dict(t.input_schema)) for t in page.tools]
-                    cursor = page.next_cursor
-                    if not cursor:
-                        return tools
+                return await declared_tools(client)
 
     try:
         return anyio.run(fetch)
     except Exception as exc:
-        raise _transport_error(exc, "tools/list") from exc
+        raise transport_error(exc, "tools/list") from exc
 
 
 def tether_name(remote: str, prefix: str = "") -> str:
@@ -183,13 +202,26 @@ def tool_specs_from_mcp(url: str, tools: Sequence[McpTool], *, prefix: str = "",
     The defaults are the most restrictive class until an operator says otherwise: IRREVERSIBLE
     (a human approves each call under the default policy), not idempotent (never re-run after a
     crash: OutcomeUnknown), untrusted output, egress."""
+    server: dict[str, Any] = {"url": url}
+    if headers:
+        server["headers"] = dict(headers)
+    if allow_hosts is not None:
+        server["allow_hosts"] = sorted({h.lower() for h in allow_hosts})
+    return tool_specs(tools, executor_kind=EXECUTOR_KIND, server_config=server, prefix=prefix,
+                      risk_class=risk_class, idempotent=idempotent, untrusted_source=untrusted_source,
+                      egress=egress, timeout_ms=timeout_ms, constraints=constraints, version=version)
+
+
+def tool_specs(tools: Sequence[McpTool], *, executor_kind: str, server_config: dict[str, Any], prefix: str = "",
+               risk_class: RiskClass = RiskClass.IRREVERSIBLE, idempotent: bool = False,
+               untrusted_source: bool = True, egress: bool = True, timeout_ms: int = 30_000,
+               constraints: dict[str, Any] | None = None, version: int = 1) -> list[ToolSpec]:
+    """One ToolSpec per declared tool of a server, whatever its transport: `server_config` (how to
+    reach the server) plus `"tool": <the server's name>` is each one's executor config. The
+    defaults are the most restrictive class (see `tool_specs_from_mcp`)."""
     specs = []
     for tool in tools:
-        config: dict[str, Any] = {"url": url, "tool": tool.name}
-        if headers:
-            config["headers"] = dict(headers)
-        if allow_hosts is not None:
-            config["allow_hosts"] = sorted({h.lower() for h in allow_hosts})
+        config: dict[str, Any] = {**server_config, "tool": tool.name}
         schema = tool.input_schema if tool.input_schema.get("type") == "object" else {"type": "object"}
         specs.append(ToolSpec(
             name=tether_name(tool.name, prefix),
@@ -199,7 +231,7 @@ def tool_specs_from_mcp(url: str, tools: Sequence[McpTool], *, prefix: str = "",
             risk_class=risk_class,
             idempotent=idempotent,
             untrusted_source=untrusted_source,
-            executor_kind=EXECUTOR_KIND,
+            executor_kind=executor_kind,
             executor_config_json=json.dumps(config, sort_keys=True, separators=(",", ":")),
             timeout_ms=timeout_ms,
             egress=egress,

@@ -1,0 +1,203 @@
+"""executor_kind 'mcp_stdio': a real MCP server (the SDK's MCPServer) over stdio in the real bubblewrap sandbox,
+through the ToolRunner with a real ledger and the real redactor.
+
+Every call starts the server in a fresh sandbox, so each test here is one server start (about
+1.5 s of CPU: the SDK's models); the misbehaving servers must each end as a clear tool error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+import structlog
+
+from tether_contracts.records import RiskClass, ToolSpec
+from tether_messaging.blobstore import PostgresBlobStore
+from tether_security import Redactor, SecretRegistry, StaticSecretProvider
+from tether_security.sandbox import SandboxRunner
+from tether_tool_gateway.domain.canonical import canonical_json, idem_key_for, sha256_hex
+from tether_tool_gateway.execution import Completed, Failed, ToolRunner, tool_spec_json
+from tether_tool_gateway.executors.mcp_stdio import (
+    McpStdioExecutor,
+    StdioServer,
+    list_mcp_stdio_tools,
+    tool_specs_from_mcp_stdio,
+)
+from tether_tool_gateway.ledger import Intent, Owner
+from tether_tool_gateway.ledger.postgres import PostgresLedger
+from tether_tool_gateway.mcp_testing import StdioDemoUnavailable, shared_stdio_demo
+
+pytestmark = pytest.mark.integration
+
+SECRET = "tok-5d1e9a7c3b2f48e6a0c4d8b2f6e1a9c7"
+GW = Owner("tool-gateway-0", "boot-1")
+
+
+@pytest.fixture(scope="module")
+def demo() -> StdioServer:
+    try:
+        return shared_stdio_demo()
+    except StdioDemoUnavailable as exc:
+        pytest.skip(f"the sandbox cannot run the demo server from this checkout: {exc}")
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> SandboxRunner:
+    return SandboxRunner()
+
+
+@pytest.fixture
+def env(pg_schema, demo, sandbox):
+    """A runner whose 'mcp_stdio' executor may bind the demo's paths (its roots), a real ledger and blob store."""
+    from psycopg_pool import ConnectionPool
+
+    pool = ConnectionPool(pg_schema.base_dsn, min_size=1, max_size=4, open=True)
+    ledger = PostgresLedger(pool, schema=pg_schema.name)
+    ledger.ensure_schema()
+    blobs = PostgresBlobStore(pool, schema=pg_schema.name)
+    blobs.ensure_schema()
+    redactor = Redactor()
+    secrets = SecretRegistry(StaticSecretProvider({"team/token": SECRET}), redactor)
+    executor = McpStdioExecutor(sandbox, allowed_roots=demo.read_only_paths)
+    runner = ToolRunner(ledger=ledger, executors={"mcp_stdio": executor}, blobs=blobs, owner=GW, secrets=secrets,
+                        redactor=redactor)
+
+    class Env:
+        calls = 0
+
+        def run(self, tool: ToolSpec, args):
+            self.calls += 1
+            args_json = canonical_json(args)
+            intent = Intent(idem_key=idem_key_for("run-s", 1, self.calls), run_id="run-s", tenant_id="t1",
+                            partition=0, step=1, call_id=f"1.{self.calls}", tool_name=tool.name,
+                            args_json=args_json, args_hash=sha256_hex(args_json),
+                            tool_spec_json=tool_spec_json(tool), idempotent=tool.idempotent)
+            return runner.run(intent, tool)
+
+        def ledger_text(self) -> str:
+            with pool.connection() as conn:
+                tables = [r[0] for r in conn.execute(
+                    "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
+                    (pg_schema.name,)).fetchall()]
+                return "\n".join(str(conn.execute(f'SELECT * FROM "{pg_schema.name}"."{t}"').fetchall())
+                                 for t in tables)
+
+    yield Env()
+    runner.close()
+    pool.close()
+
+
+def stdio_tool(server: StdioServer, remote: str, *, timeout_ms: int = 20_000, **config) -> ToolSpec:
+    [spec] = tool_specs_from_mcp_stdio(server, [_declared(remote)], prefix="demo_", timeout_ms=timeout_ms)
+    merged = json.loads(spec.executor_config_json) | config
+    return spec.model_copy(update={"executor_config_json": json.dumps(merged)})
+
+
+def _declared(remote: str):
+    from tether_tool_gateway.executors.mcp_tool import McpTool
+
+    return McpTool(remote, f"the demo's {remote}", {"type": "object"})
+
+
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+# -- list and call ---------------------------------------------------------------------------------
+def test_a_stdio_servers_tools_are_listed_and_called_in_the_sandbox(env, demo, sandbox):
+    tools = list_mcp_stdio_tools(demo, runner=sandbox)
+    assert {t.name for t in tools} == {"add", "shout", "fail", "blob", "where", "crash", "hang"}
+    specs = {s.name: s for s in tool_specs_from_mcp_stdio(demo, tools, prefix="demo_")}
+    add = specs["demo_add"]
+    # The most restrictive class until an operator says otherwise, as for a streamable HTTP server.
+    assert add.risk_class is RiskClass.IRREVERSIBLE and not add.idempotent and add.untrusted_source and add.egress
+    assert add.executor_kind == "mcp_stdio"
+    assert json.loads(add.executor_config_json) == {**demo.config(), "tool": "add"}
+    assert json.loads(add.args_schema_json)["required"] == ["a", "b"]
+    outcome = env.run(add, {"a": 2, "b": 40})
+    assert isinstance(outcome, Completed) and outcome.untrusted, outcome
+    assert json.loads(outcome.result_json)["structured_content"] == {"result": 42}
+
+
+def test_the_server_runs_sandboxed_and_its_secret_reaches_it_only(env, demo, capsys):
+    tool = stdio_tool(demo, "where", env={**demo.env, "DEMO_TOKEN": "secret://team/token"})
+    with structlog.testing.capture_logs() as logs:
+        outcome = env.run(tool, {})
+    assert isinstance(outcome, Completed), outcome
+    facts = json.loads(outcome.result_json)["structured_content"]
+    assert (facts["uid"], facts["hostname"], facts["interfaces"]) == (65534, "sandbox", ["lo"])
+    # The server got the value (and echoed it back); the redactor scrubbed it before it was recorded.
+    assert facts["env"]["DEMO_TOKEN"].startswith("[REDACTED")
+    assert SECRET not in outcome.result_json and SECRET not in env.ledger_text()
+    assert SECRET not in json.dumps(logs, default=str)
+    out = capsys.readouterr()
+    assert SECRET not in out.out and SECRET not in out.err
+
+
+# -- a tool's own error and misbehaving servers ----------------------------------------------------
+def test_an_error_result_is_a_tool_error(env, demo):
+    outcome = env.run(stdio_tool(demo, "fail"), {"reason": "no such order"})
+    assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR", outcome
+    assert "'fail' reported an error" in outcome.detail and not outcome.retryable
+
+
+def test_a_server_that_crashes_mid_call_is_a_tool_error_with_its_stderr(env, demo):
+    outcome = env.run(stdio_tool(demo, "crash"), {"code": 3})
+    assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR", outcome
+    assert "exited (exit code 3) before answering" in outcome.detail
+    assert "crashing on purpose" in outcome.detail  # the tail of its stderr says why
+
+
+def test_garbage_on_stdout_is_an_invalid_result(env, demo):
+    tool = stdio_tool(demo, "add", env={**demo.env, "DEMO_BANNER": "demo server 1.0 starting..."})
+    outcome = env.run(tool, {"a": 1, "b": 2})
+    assert isinstance(outcome, Failed) and outcome.error_code == "INVALID_RESULT", outcome
+    assert "not a JSON-RPC message" in outcome.detail and "demo server 1.0 starting..." in outcome.detail
+
+
+def test_a_server_that_hangs_is_killed_at_the_timeout(env, demo):
+    marker = f"hang-{uuid.uuid4().hex[:12]}"
+    # An extra argument the server ignores marks its processes, to look for leftovers.
+    tool = stdio_tool(demo, "hang", timeout_ms=4_000, command=[*demo.command, marker])
+    outcome = env.run(tool, {"seconds": 600})
+    assert isinstance(outcome, Failed) and outcome.error_code == "TIMEOUT", outcome
+    assert processes_with(marker) == []  # the sandbox died with the call
+
+
+def test_a_huge_answer_is_oversized(env, demo):
+    tool = stdio_tool(demo, "blob", max_response_bytes=64 * 1024)
+    outcome = env.run(tool, {"size": 2 * 1024 * 1024})
+    assert isinstance(outcome, Failed) and outcome.error_code == "OVERSIZED_RESULT", outcome
+    assert "larger than 65536 bytes" in outcome.detail
+
+
+# -- what never starts a server --------------------------------------------------------------------
+def test_a_path_outside_the_gateways_roots_is_refused(env, demo):
+    outside = StdioServer(command=demo.command, read_only_paths=(*demo.read_only_paths, "/etc"), env=demo.env)
+    outcome = env.run(stdio_tool(outside, "add"), {"a": 1, "b": 2})
+    assert isinstance(outcome, Failed) and outcome.error_code == "EXECUTOR_UNAVAILABLE", outcome
+    assert "'/etc' is not under the gateway's MCP stdio roots" in outcome.detail
+
+
+def test_a_sandbox_that_cannot_start_the_server_is_executor_unavailable(env, demo):
+    missing = f"{demo.read_only_paths[-1]}/no-such-dir"  # under a root, but not there
+    outcome = env.run(stdio_tool(demo, "add", read_only_paths=[*demo.read_only_paths, missing]), {"a": 1, "b": 2})
+    assert isinstance(outcome, Failed) and outcome.error_code == "EXECUTOR_UNAVAILABLE", outcome
+    assert "could not start the MCP server" in outcome.detail and "Can't find source path" in outcome.detail
+
+
+def test_a_config_the_registry_would_refuse_is_not_run(env, demo):
+    outcome = env.run(stdio_tool(demo, "add", allow_hosts=["api.example"]), {"a": 1, "b": 2})
+    assert isinstance(outcome, Failed) and outcome.error_code == "EXECUTOR_UNAVAILABLE", outcome
+    assert "no network" in outcome.detail
