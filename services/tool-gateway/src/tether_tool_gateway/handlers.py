@@ -19,6 +19,7 @@ from tether_contracts.records import (
     RunCompleted,
     RunRejected,
     RunTerminated,
+    ToolCallAuthorized,
     ToolCallBudgeted,
     ToolCallCompleted,
     ToolCallDeferred,
@@ -92,6 +93,10 @@ def approval_event_id(run_id: str, idem_key: str) -> str:
     return derived_id(run_id, PRODUCER, "approval-requested", idem_key)
 
 
+def authorized_event_id(run_id: str, idem_key: str) -> str:
+    return derived_id(run_id, PRODUCER, "authorized", idem_key)
+
+
 def deferred_event_id(run_id: str, idem_key: str, attempt: int) -> str:
     return derived_id(run_id, PRODUCER, "deferred", idem_key, str(attempt))
 
@@ -112,7 +117,7 @@ def sweep_work_key(partition: int) -> str:
 def _state(ctx: Context, run_id: str) -> RunState | None:
     state = ctx.get_state(run_id)
     # A copy: the loop keeps the committed object to undo an aborted batch.
-    return None if state is None else state.model_copy(deep=True)
+    return None if state is None else state.clone()
 
 
 def _emit(ctx: Context, deps: Deps, payload: AvroRecord, *, run_id: str, tenant_id: str, event_id: str,
@@ -248,9 +253,16 @@ def on_tool_call_budgeted(event: ToolCallBudgeted, msg: Inbound, ctx: Context, *
                  reasons=list(verdict.reasons), policy_version=decision.policy_version,
                  inputs_hash=decision.inputs_hash)
     elif isinstance(verdict, Allow):
+        tool = run.tools[call.tool_name]
+        # The go, on the record before the effect: the rules that allowed it, never the argument values.
+        _emit(ctx, deps, ToolCallAuthorized(
+            step=call.step, call_id=call.call_id, idem_key=call.idem_key, tool_name=call.tool_name,
+            tool_version=tool.version, args_hash=call.args_hash, risk_class=tool.risk_class,
+            reasons=list(verdict.reasons), policy_version=decision.policy_version, inputs_hash=decision.inputs_hash,
+        ), run_id=run_id, tenant_id=run.tenant_id, event_id=authorized_event_id(run_id, call.idem_key),
+            causation_id=msg.envelope.event_id)
         start_execution(call, run, run_id, ctx, deps, seen)
         DECISIONS.labels("allow", "").inc()
-        tool = run.tools[call.tool_name]
         # Every allowed call is logged with the evidence; WRITE and IRREVERSIBLE ones at info.
         (log.debug if tool.risk_class.value == "READ_ONLY" else log.info)(
             "tool_call_allowed", run_id=run_id, call_id=call.call_id, tool=call.tool_name,

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 #: Shorter values ("en", "10") occur everywhere by chance; they are not attributed.
 MIN_EXACT_CHARS = 4
@@ -29,7 +29,10 @@ RUN_SOURCES_MAX_CHARS = 128 * 1024
 
 
 class Source(BaseModel):
-    """Text an argument may have been copied from: the goal or one tool result."""
+    """Text an argument may have been copied from: the goal or one tool result. Frozen (a value):
+    a working copy of the run state shares it with the committed one."""
+
+    model_config = ConfigDict(frozen=True)
 
     origin: str  # "goal" or "tool:<call_id>"
     tool_name: str = ""

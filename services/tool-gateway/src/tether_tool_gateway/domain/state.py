@@ -61,6 +61,23 @@ class RunState(BaseModel):
     #: domain.provenance).
     sources: list[Source] = Field(default_factory=list)
 
+    def clone(self) -> RunState:
+        """A working copy for handling one record (the loop keeps the committed state to undo an
+        aborted batch): the containers and the calls (plain fields: a shallow copy is a full one)
+        are copied, the frozen tool snapshots and sources shared. A deep copy of everything
+        (including every ToolSpec and the sources' text) was most of the cost of a record."""
+        return self.model_copy(
+            update={
+                "agent_allowlist": list(self.agent_allowlist),
+                "tenant_grants": list(self.tenant_grants),
+                "delegated_scope": None if self.delegated_scope is None else list(self.delegated_scope),
+                "tools": dict(self.tools),
+                "calls": {call_id: call.model_copy() for call_id, call in self.calls.items()},
+                "tainted_by": list(self.tainted_by),
+                "sources": list(self.sources),
+            }
+        )
+
     def sources_chars(self) -> int:
         return sum(len(s.text or "") for s in self.sources)
 
