@@ -99,3 +99,50 @@ def test_update_registers_the_next_version_with_the_changes(env, mcp_server):
 def test_a_secret_value_in_a_header_is_refused_at_registration(env, mcp_server):
     result = invoke("tools", "import-mcp", mcp_server.url, "--only", "add", "--header", "Authorization=Bearer abc")
     assert "secret://" in failure(result)
+
+
+# -- a stdio server ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stdio_demo():
+    from tether_tool_gateway.mcp_testing import StdioDemoUnavailable, shared_stdio_demo
+
+    try:
+        return shared_stdio_demo()
+    except StdioDemoUnavailable as exc:
+        pytest.skip(f"the sandbox cannot run the demo server from this checkout: {exc}")
+
+
+def stdio_args(demo) -> list[str]:
+    args = ["--stdio"]
+    for path in demo.read_only_paths:
+        args += ["--bind", path]
+    for name, value in demo.env.items():
+        args += ["--env", f"{name}={value}"]
+    return args
+
+
+def test_import_mcp_over_stdio_lists_in_the_sandbox_and_registers_most_restrictive(env, stdio_demo):
+    out = invoke("tools", "import-mcp", *stdio_args(stdio_demo), "--env", "DEMO_TOKEN=secret://team/demo",
+                 "--prefix", "sd_", "--only", "add", "--only", "where", "--", *stdio_demo.command).output
+    assert "registered tool sd_add v1 (IRREVERSIBLE)" in out and "registered tool sd_where v1" in out, out
+    add = tool("sd_add")
+    assert add["executor_kind"] == "mcp_stdio" and add["risk_class"] == "RISK_CLASS_IRREVERSIBLE"
+    assert add["untrusted_source"] and add.get("egress") and not add.get("idempotent")
+    assert json.loads(add["executor_config_json"]) == {
+        "command": list(stdio_demo.command), "read_only_paths": list(stdio_demo.read_only_paths),
+        "env": {**stdio_demo.env, "DEMO_TOKEN": "secret://team/demo"}, "tool": "add"}
+    assert json.loads(add["args_schema_json"])["required"] == ["a", "b"]
+
+
+def test_import_mcp_over_stdio_of_a_command_that_cannot_run_says_so(env):
+    result = invoke("tools", "import-mcp", "--stdio", "--", "/nonexistent/mcp-server")
+    assert "could not list the tools of the stdio server /nonexistent/mcp-server" in failure(result)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--stdio", "--header", "X=1", "--", "/bin/true"], "a stdio server runs without network"),
+    (["--bind", "/opt", "http://127.0.0.1:9/mcp"], "--bind and --env are for --stdio"),
+    (["http://127.0.0.1:9/mcp", "extra"], "give one URL"),
+])
+def test_import_mcp_refuses_mixed_up_options(env, args, fragment):
+    assert fragment in failure(invoke("tools", "import-mcp", *args))

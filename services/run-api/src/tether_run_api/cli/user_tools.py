@@ -1,11 +1,14 @@
-"""`tether tools import-mcp` and `tether tools update`: a team's MCP server's tools, and new versions of a tool."""
+"""`tether tools import-mcp` and `tether tools update`: a team's MCP server's tools (streamable HTTP or stdio),
+and new versions of a tool."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -13,6 +16,9 @@ from tether_api.v1 import tool_service_pb2 as tools_pb
 from tether_api.v1 import types_pb2 as types_pb
 from tether_contracts.records import RiskClass
 from tether_run_api.cli.client import CliError
+
+if TYPE_CHECKING:
+    from tether_tool_gateway.executors.mcp_tool import McpTool
 
 _RISK = {"read_only": RiskClass.READ_ONLY, "write": RiskClass.WRITE, "irreversible": RiskClass.IRREVERSIBLE}
 _RISK_PB = {RiskClass.READ_ONLY: types_pb.RISK_CLASS_READ_ONLY, RiskClass.WRITE: types_pb.RISK_CLASS_WRITE,
@@ -46,14 +52,37 @@ def _json_file(path: Path | None) -> str | None:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+def _listed(where: str, listing: Callable[[], list[McpTool]], only: list[str]) -> list[McpTool]:
+    """The server's declared tools (those named in `only`, if any); a CliError says why listing failed."""
+    try:
+        declared = listing()
+    except Exception as exc:  # a ToolError or a bad URL: say what the server answered
+        raise CliError(f"could not list the tools of {where}: {exc}") from None
+    if only:
+        missing = set(only) - {t.name for t in declared}
+        if missing:
+            raise CliError(f"the server has no tools named {sorted(missing)}")
+        declared = [t for t in declared if t.name in only]
+    return declared
+
+
 def import_mcp(
-    url: Annotated[str, typer.Argument(help="the MCP server's streamable HTTP endpoint, e.g. http://host:8000/mcp")],
+    server: Annotated[list[str], typer.Argument(
+        metavar="URL | -- COMMAND [ARGS]...",
+        help="the MCP server's streamable HTTP endpoint (e.g. http://host:8000/mcp), or with --stdio the "
+             "command that starts it, after -- (e.g. -- /opt/mcp/crm/bin/python -m crm_mcp)")],
+    stdio: Annotated[bool, typer.Option(help="the server speaks MCP over stdio: the gateway runs the command in "
+                                             "its sandbox for each call")] = False,
+    bind: Annotated[list[str], typer.Option(  # noqa: B006 (typer reads the default, never mutates it)
+        help="--stdio: a host path bound read-only into the sandbox (the server's code and runtime)")] = [],
+    env: Annotated[list[str], typer.Option(  # noqa: B006
+        help="--stdio: NAME=VALUE in the server's environment; put secrets as secret://name")] = [],
     prefix: Annotated[str, typer.Option(help="prefix of the Tether tool names (e.g. crm_)")] = "",
     risk_class: Annotated[str, typer.Option(help="read_only | write | irreversible")] = "irreversible",
     idempotent: Annotated[bool, typer.Option(help="re-running a call is safe")] = False,
     untrusted: Annotated[bool, typer.Option(help="the tools' output is untrusted content")] = True,
     egress: Annotated[bool, typer.Option(help="the tools can move data out or contact people")] = True,
-    header: Annotated[list[str], typer.Option(  # noqa: B006 (typer reads the default, never mutates it)
+    header: Annotated[list[str], typer.Option(  # noqa: B006
         help="NAME=VALUE sent on each call; put secrets as secret://name")] = [],
     allow_host: Annotated[list[str], typer.Option(  # noqa: B006
         help="egress allowlist (default: the URL's host)")] = [],
@@ -65,24 +94,33 @@ def import_mcp(
 
     Default: the most restrictive class (IRREVERSIBLE: each call needs a human approval; not
     idempotent: never re-run after a crash; untrusted output) until an operator says otherwise.
-    Headers holding secret:// handles are not sent while listing (only the gateway resolves them)."""
+    Headers and environment variables holding secret:// handles are left out while listing (only
+    the gateway resolves them). A --stdio server is listed by running its command here, in the
+    same bubblewrap sandbox the gateway uses (never unsandboxed): run this on a gateway host, where
+    the command and the bound paths are."""
     from tether_run_api.cli import main
+    from tether_tool_gateway.executors.mcp_stdio import StdioServer, list_mcp_stdio_tools, tool_specs_from_mcp_stdio
     from tether_tool_gateway.executors.mcp_tool import list_mcp_tools, tool_specs_from_mcp
 
-    headers = _pairs(header, "--header")
-    listing_headers = {k: v for k, v in headers.items() if "secret://" not in v}
-    try:
-        declared = list_mcp_tools(url, headers=listing_headers)
-    except Exception as exc:  # a ToolError or a bad URL: say what the server answered
-        raise CliError(f"could not list the tools of {url}: {exc}") from None
-    if only:
-        missing = set(only) - {t.name for t in declared}
-        if missing:
-            raise CliError(f"the server has no tools named {sorted(missing)}")
-        declared = [t for t in declared if t.name in only]
-    specs = tool_specs_from_mcp(url, declared, prefix=prefix, risk_class=_risk(risk_class), idempotent=idempotent,
-                                untrusted_source=untrusted, egress=egress, timeout_ms=timeout_ms,
-                                headers=headers or None, allow_hosts=allow_host or None)
+    classification = {"prefix": prefix, "risk_class": _risk(risk_class), "idempotent": idempotent,
+                      "untrusted_source": untrusted, "egress": egress, "timeout_ms": timeout_ms}
+    if stdio:
+        if header or allow_host:
+            raise CliError("--header and --allow-host are for a streamable HTTP server; a stdio server runs "
+                           "without network (give it secrets with --env NAME=secret://name)")
+        source = StdioServer(command=tuple(server), read_only_paths=tuple(bind), env=_pairs(env, "--env"))
+        declared = _listed(f"the stdio server {shlex.join(server)}", lambda: list_mcp_stdio_tools(source), only)
+        specs = tool_specs_from_mcp_stdio(source, declared, **classification)
+    else:
+        if len(server) != 1 or bind or env:
+            raise CliError("give one URL (or --stdio and, after --, the command that starts the server); "
+                           "--bind and --env are for --stdio")
+        url = server[0]
+        headers = _pairs(header, "--header")
+        listing_headers = {k: v for k, v in headers.items() if "secret://" not in v}
+        declared = _listed(url, lambda: list_mcp_tools(url, headers=listing_headers), only)
+        specs = tool_specs_from_mcp(url, declared, headers=headers or None, allow_hosts=allow_host or None,
+                                    **classification)
     client = None if dry_run else main._client()
     for spec in specs:
         if client is None:
