@@ -37,6 +37,25 @@ def test_log_lines_are_json_with_service_and_instance() -> None:
     assert lines[0]["run_id"] == "r1" and lines[0]["level"] == "info"
 
 
+@pytest.mark.parametrize("level,shown", [("INFO", ["kept", "slow"]), ("DEBUG", ["kept", "request", "slow"])])
+def test_http_clients_log_each_request_only_at_debug(level: str, shown: list[str]) -> None:
+    result = _python(
+        f"""
+        import logging, structlog
+        from tether_runtime.logging import configure
+        configure("planner", "{level}")
+        structlog.get_logger().info("kept")
+        logging.getLogger("httpx").info("request")
+        logging.getLogger("httpcore.connection").warning("slow")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stderr.splitlines()]
+    assert [line["event"] for line in lines] == shown
+    assert lines[-1]["logger"] == "httpcore.connection" and lines[-1]["level"] == "warning"
+    assert all(line["service"] == "planner" and line["timestamp"] for line in lines)
+
+
 def test_unknown_log_level_is_refused() -> None:
     with pytest.raises(UnknownLogLevel):
         configure("x", "LOUD")

@@ -12,6 +12,12 @@ from tether_security import Redactor, RedactingProcessor
 
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
 
+#: HTTP client libraries that log every request at INFO (httpx: "HTTP Request: POST ... 200 OK").
+#: In a service that is one JSON line (with redaction) per model call and per tool call, more
+#: than the service's own event for the same work, which already says what happened; they log
+#: at WARNING and above unless the service runs at DEBUG.
+_PER_REQUEST_LOGGERS = ("httpx", "httpcore")
+
 
 class UnknownLogLevel(ValueError):
     """The configured log level is not one of DEBUG, INFO, WARNING, ERROR."""
@@ -43,18 +49,21 @@ def configure(service: str, level: str = "INFO", *, instance: int | str | None =
             event.setdefault(k, v)
         return event
 
-    shared = [
-        structlog.contextvars.merge_contextvars,
+    # Fields the platform itself adds (level, time, service, instance, logger name) cannot carry
+    # a secret, so they are added after the redactor: it scans only what the code logged (each
+    # value it scans costs every pattern's search).
+    ours = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         add_static,
     ]
     structlog.configure(
         processors=[
-            *shared,
+            structlog.contextvars.merge_contextvars,
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
             RedactingProcessor(_LOG_REDACTOR),
+            *ours,
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
@@ -69,14 +78,17 @@ def configure(service: str, level: str = "INFO", *, instance: int | str | None =
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 structlog.processors.format_exc_info,
                 RedactingProcessor(_LOG_REDACTOR),
+                *ours,
                 structlog.processors.JSONRenderer(),
             ],
-            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+            foreign_pre_chain=[structlog.contextvars.merge_contextvars, structlog.stdlib.add_logger_name],
         )
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric)
+    for name in _PER_REQUEST_LOGGERS:
+        logging.getLogger(name).setLevel(numeric if numeric <= logging.DEBUG else max(numeric, logging.WARNING))
 
 
 def get_logger(name: str | None = None, **fields: Any) -> Any:
