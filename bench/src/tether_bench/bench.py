@@ -148,10 +148,11 @@ class Bench:
             system.drop_data()
 
     def cpu_pids(self) -> dict[str, int]:
-        """The processes whose CPU the throughput phase accounts: the six services, this bench
-        process (clients, log observer, approver bot), and the Kafka broker if this state dir
-        started it."""
-        pids = {**self.service_pids(), "bench": os.getpid()}
+        """The processes whose CPU the throughput phase accounts: the six services, the scripted
+        model server and the sinks, this bench process (clients, log observer, approver bot), and
+        the Kafka broker if this state dir started it."""
+        pids = {name: proc.pid for name, proc in self.system.processes.items() if proc.running}
+        pids["bench"] = os.getpid()
         broker = StackControl(self.stack.state_dir, sys.executable).pid("kafka")
         if broker is not None:
             pids["kafka"] = broker
@@ -207,9 +208,11 @@ class Bench:
         procs = []
         for name in ("budget", "planner", "tool-gateway"):
             out = self.workdir / f"profile-{name}.txt"
-            # Starts after the warm-up, so the profile covers the measured window.
+            # Starts after the warm-up, so the profile covers the measured window. --gil keeps only
+            # the samples of the thread holding the GIL: Python's CPU, not threads blocked in I/O
+            # or runnable-but-waiting on a busy machine (which otherwise dominate the samples).
             cmd = (f"sleep {warmup:.0f}; exec {spy} record --pid {self.system.processes[name].pid} "
-                   f"--duration {int(seconds)} --rate 50 --format raw --nonblocking --output {out}")
+                   f"--duration {int(seconds)} --rate 50 --format raw --nonblocking --gil --output {out}")
             procs.append(subprocess.Popen(["bash", "-c", cmd], stdout=subprocess.DEVNULL,
                                           stderr=open(self.workdir / f"profile-{name}.log", "w")))
         return procs
