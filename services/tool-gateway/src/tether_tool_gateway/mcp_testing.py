@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import sysconfig
@@ -114,41 +115,51 @@ _WARM_UP_SESSION = [
 ]
 
 
-def _reachable_by_sandbox_user(path: Path) -> str | None:
-    """Why uid 65534 (the sandbox's user, as which bubblewrap binds paths) cannot reach `path`, or None."""
-    for directory in (path, *path.parents):
-        mode = directory.stat().st_mode
-        if not mode & 0o001:
-            return f"{directory} is mode {mode & 0o777:o} (not searchable by others)"
-    return None
+def _reachable_by_sandbox_user(path: Path) -> bool:
+    """Whether uid 65534 (the sandbox's user, as which bubblewrap binds paths) can reach `path`."""
+    return all(d.stat().st_mode & 0o001 for d in (path, *path.parents))
 
 
-def prepare_stdio_demo(runner: SandboxRunner, workdir: Path | None = None) -> StdioServer:
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # same file, same mode: no data copied
+    except OSError:
+        shutil.copy2(src, dst)  # another filesystem
+
+
+def _mirror(src: Path, site: Path, into: Path) -> tuple[Path, Path]:
+    """A copy of what the demo server imports (this module, the venv's packages) where uid 65534 can reach it."""
+    package = into / "src" / "tether_tool_gateway"
+    package.mkdir(parents=True)
+    for name in ("__init__.py", "mcp_testing.py"):
+        _link_or_copy(str(src / "tether_tool_gateway" / name), str(package / name))
+    shutil.copytree(site, into / "site-packages", symlinks=True, copy_function=_link_or_copy)
+    return into / "src", into / "site-packages"
+
+
+def prepare_stdio_demo(runner: SandboxRunner, workdir: Path) -> StdioServer:
     """How the gateway's sandbox runs `stdio_demo_server` from this checkout, made ready to start fast.
 
     The sandbox has the host's /usr, so the server runs on the system python3 with this venv's
-    packages and this package's source bound read-only. The venv's packages carry no bytecode
-    (uv installs none), and compiling the SDK at every start costs seconds: one warm-up run, in
-    the sandbox, writes the bytecode into `workdir` (a fresh world-readable directory by default;
-    the caller removes it), which later runs read through PYTHONPYCACHEPREFIX. Raises
-    StdioDemoUnavailable when this machine cannot do it (another Python minor version in /usr,
-    or a checkout uid 65534 cannot reach)."""
+    packages and this package's source bound read-only (mirrored into `workdir` by hard links
+    when uid 65534 cannot reach the checkout). The venv's packages carry no bytecode (uv installs
+    none), and compiling the SDK at every start costs seconds: one warm-up run, in the sandbox,
+    writes it into `workdir`, which later runs read through PYTHONPYCACHEPREFIX. `workdir` is an
+    empty directory the caller made (and removes), on a path uid 65534 can reach. Raises
+    StdioDemoUnavailable when this machine cannot do it (no python3 of this minor version in /usr)."""
     from tether_tool_gateway.executors.mcp_stdio import StdioServer
 
-    src = Path(__file__).resolve().parents[1]
-    site = Path(sysconfig.get_paths()["purelib"]).resolve()
+    version = ".".join(map(str, sys.version_info[:2]))
     if not os.access(SANDBOX_PYTHON, os.X_OK):
         raise StdioDemoUnavailable(f"{SANDBOX_PYTHON} is missing")
-    version = ".".join(map(str, sys.version_info[:2]))
-    reason = None
-    for path in (src, site):
-        reason = reason or _reachable_by_sandbox_user(path)
-    if reason:
-        raise StdioDemoUnavailable(f"the sandbox user cannot reach this checkout: {reason}")
-    if workdir is None:
-        workdir = Path(tempfile.mkdtemp(prefix="tether-mcp-stdio-"))
-        workdir.chmod(0o755)
-    pycache = workdir.resolve()
+    src = Path(__file__).resolve().parents[1]
+    site = Path(sysconfig.get_paths()["purelib"]).resolve()
+    workdir = workdir.resolve()
+    workdir.chmod(0o755)
+    if not (_reachable_by_sandbox_user(src) and _reachable_by_sandbox_user(site)):
+        src, site = _mirror(src, site, workdir / "mirror")
+    pycache = workdir / "pycache"
+    pycache.mkdir()
     command = (SANDBOX_PYTHON, "-m", "tether_tool_gateway.mcp_testing")
     env = {"PYTHONPATH": f"{src}:{site}"}
     session = "".join(json.dumps(m) + "\n" for m in _WARM_UP_SESSION).encode()
@@ -172,15 +183,14 @@ def shared_stdio_demo() -> StdioServer:
     """`prepare_stdio_demo` once per process (the warm-up costs seconds; every test may share its bytecode);
     its directory is removed when the process exits."""
     import atexit
-    import shutil
 
     from tether_security.sandbox import SandboxRunner
 
     with _SHARED_DEMO_LOCK:
         if not _SHARED_DEMO:
-            server = prepare_stdio_demo(SandboxRunner())
-            atexit.register(shutil.rmtree, server.read_only_paths[-1], ignore_errors=True)
-            _SHARED_DEMO.append(server)
+            workdir = Path(tempfile.mkdtemp(prefix="tether-mcp-stdio-"))
+            atexit.register(shutil.rmtree, workdir, ignore_errors=True)
+            _SHARED_DEMO.append(prepare_stdio_demo(SandboxRunner(), workdir))
         return _SHARED_DEMO[0]
 
 
