@@ -31,6 +31,8 @@ REMAINING = Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)
 class EosSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="TETHER_EOS_")
     work_sleep_ms: int = 30
+    #: None: as a service decides it (static when the instance id is set); True/False forces it.
+    static_membership: bool | None = None
 
 
 class RunCounter(BaseModel):
@@ -111,7 +113,8 @@ class EosProcessor:
 
 def main() -> int:
     settings = EosSettings()
-    return serve_processor(EosProcessor(Topics(settings.topic_prefix), settings.work_sleep_ms), settings)
+    overrides = {} if settings.static_membership is None else {"static_membership": settings.static_membership}
+    return serve_processor(EosProcessor(Topics(settings.topic_prefix), settings.work_sleep_ms), settings, **overrides)
 
 
 if __name__ == "__main__":

@@ -139,6 +139,13 @@ class LoopConfig:
     #: wait for the loop (≈ 2% of a core while polling in 2 ms slices, nothing when idle).
     work_poll_ms: int = 2
     session_timeout_ms: int = 10_000
+    #: Static group membership (`group.instance.id` = the slot, as the transactional id): a
+    #: restarted slot rejoins within the session timeout and gets its partitions back at
+    #: once, without a rebalance of the other members. The price: a static member does not
+    #: leave the group when it stops, so the partitions of a slot that stops for good (scale-
+    #: in) move only after the session timeout, as a crashed member's always do. Only for a
+    #: configured, stable slot (a StatefulSet ordinal): two members with one id fence each other.
+    static_membership: bool = False
     #: A producer that dies mid-transaction blocks read_committed readers of its partitions
     #: until this expires (unless its slot restarts first, which aborts it at once), so keep
     #: it short; batches last ms, and `transaction_handling_share` keeps an overloaded batch
@@ -182,6 +189,8 @@ class LoopConfig:
             work_threads=settings.work_threads,
             tenant_weights=dict(settings.tenant_weights),
             session_timeout_ms=settings.session_timeout_ms,
+            # A slot set explicitly is stable; a default 0 may be shared (Deployment replicas).
+            static_membership="instance_id" in settings.model_fields_set,
             transaction_timeout_ms=settings.transaction_timeout_ms,
             schema_registry_url=settings.schema_registry_url,
             state_dir=settings.state_dir,
@@ -427,6 +436,11 @@ class ProcessorLoop:
     def transactional_id(self) -> str:
         return f"{self.config.topics.prefix}{self._name}-{self.config.instance_id}"
 
+    @property
+    def group_instance_id(self) -> str | None:
+        """The consumer's static member id (the slot, named like the transactional id), if static."""
+        return self.transactional_id if self.config.static_membership else None
+
     def run(self, stop: threading.Event) -> None:
         """Process until `stop` is set. Raises `FatalLoopError` if the process must restart."""
         cfg = self.config
@@ -451,7 +465,8 @@ class ProcessorLoop:
                 on_lost=self._on_lost,
             )
             self._log.info("loop_started", group=self._group, inputs=list(self.processor.inputs),
-                           transactional_id=self.transactional_id if self._txn else None)
+                           transactional_id=self.transactional_id if self._txn else None,
+                           group_instance_id=self.group_instance_id)
             while not stop.is_set():
                 self._check_fatal()
                 self._run_batch(stop)
@@ -478,6 +493,7 @@ class ProcessorLoop:
             "session.timeout.ms": cfg.session_timeout_ms,
             "heartbeat.interval.ms": max(1000, cfg.session_timeout_ms // 5),
             "error_cb": self._on_client_error,
+            **({"group.instance.id": self.group_instance_id} if cfg.static_membership else {}),
             **cfg.consumer_overrides,
         }
 
@@ -1072,7 +1088,9 @@ class ProcessorLoop:
         # Runs in a finally: nothing here may replace the error that ended the loop.
         steps: list[tuple[str, Callable[[], Any]]] = []
         if self._consumer is not None:
-            # Leaving the group moves the partitions now, not after the session timeout.
+            # A dynamic member leaves the group: its partitions move now, not after the session
+            # timeout. A static member stays (KIP-345): the same slot, restarted within the
+            # session timeout, takes its partitions back without a rebalance.
             steps.append(("consumer_close", self._consumer.close))
         if self._restorer is not None:
             steps.append(("restorer_close", self._restorer.close))

@@ -42,7 +42,10 @@ class ServiceSettings(BaseSettings):
 
     # -- per service (under the subclass's env prefix) --------------------------------------
     instance_id: int = Field(
-        0, ge=0, description="Stable slot of this instance; the transactional id is '<name>-<instance_id>'."
+        0,
+        ge=0,
+        description="Stable slot of this instance; the transactional id is '<name>-<instance_id>'. Setting it "
+        "(a StatefulSet ordinal) also makes the loop's consumer a static group member with the same id.",
     )
     http_host: str = Field("127.0.0.1", description="Address of the metrics/health server.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Port of the metrics/health server; 0 = ephemeral.")

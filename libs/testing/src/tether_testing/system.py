@@ -546,6 +546,10 @@ class TetherSystem:
             # A killed instance's partitions move to its successor sooner (the broker's minimum).
             f"{prefix}SESSION_TIMEOUT_MS": "6000",
         }
+        if name in CHANGELOG_SERVICES:
+            # Slot 0 set explicitly, as a StatefulSet's ordinal is: the loop's consumer is then a
+            # static group member, so a restarted instance takes its partitions back at once.
+            env[f"{prefix}INSTANCE_ID"] = "0"
         if name == "run-api":
             env |= {
                 "TETHER_RUN_API_PORT": str(self._port("grpc")),
@@ -598,7 +602,10 @@ class TetherSystem:
         return component
 
     def stop_instance(self, component: str) -> None:
-        """Stop an instance `start_instance` started (SIGTERM: it leaves the group cleanly) and forget it."""
+        """Stop an instance `start_instance` started (SIGTERM: it commits its batch and exits) and forget it.
+
+        A static group member does not leave the group: its partitions move to the other
+        instances after the session timeout (6 s)."""
         proc = self.processes.pop(component)
         proc.stop()
         self._write_state()
