@@ -10,8 +10,8 @@ Phases (all in one run, side by side on the same machine):
      1 then 2 planner instances (slots 0, 1);
   4. peer: the same agent on LangGraph + AsyncPostgresSaver on the same PostgreSQL → steps/s ratio;
   5. recovery: under load, each service SIGKILLed and restarted; time until its runs progress;
-  6. parking: as many runs as fit in the time bound park on an approval; RSS growth of the six
-     service processes per 10,000 parked runs.
+  6. parking: runs park on an approval, N/2 then N (within a time bound); the six service processes'
+     RSS slope between the two levels, per 10,000 parked runs (optionally, the heap's growth by site).
 Durations scale with TETHER_BENCH_SCALE (e.g. 3 for a longer bench). See docs/benchmarks.md.
 """
 
@@ -45,6 +45,7 @@ from tether_bench.common import (
     rounded,
     rss_kb,
 )
+from tether_bench.heap import heap_growth, marginal_kb_per_run, mb_per_10k, request_snapshots
 from tether_bench.load import ApproverBot, ClosedLoop, make_tenants, submit_until_accepted
 from tether_bench.observer import LogObserver, Seen
 from tether_bench.peer_langgraph import run_peer
@@ -78,9 +79,13 @@ class BenchSettings(BaseSettings):
     peer_processes: int = 0  # 0 = one per CPU
     recovery_rounds: int = 1
     recovery_concurrency: int = 16
-    park_s: float = 40.0
-    park_max: int = 100_000
+    park_runs: int = Field(4_000, ge=2, description="Runs to park (N): RSS is read at N/2 and at N parked.")
+    park_s: float = Field(100.0, description="Time bound for parking them (half of it for the first N/2).")
+    park_settle_s: float = Field(5.0, description="Pause before each RSS reading (batches commit, buffers drain).")
     park_inflight: int = Field(256, description="Most runs submitted but not yet parked (bounded backlog).")
+    park_heap: bool = Field(False, description="Trace the services' heaps (tracemalloc) from the first level on and "
+                            "report what grew per parked run by allocation site (the second RSS reading then "
+                            "includes tracemalloc's own memory, so the RSS slope is not meaningful).")
     phases: str = Field("light,throughput,latency,peer,recovery,park", description="Which phases to run.")
     profile: bool = Field(False, description="py-spy record budget/planner/tool-gateway during the throughput phase.")
 
@@ -115,11 +120,17 @@ class Bench:
     def start(self) -> None:
         scenarios = write_scenarios(self.workdir / "scenarios", [self.fast, self.slow, self.park, self.approve])
         huge = "1000000"
+        extra_env: dict[str, dict[str, str]] = {name: {} for name in SERVICES}
+        extra_env["run-api"].update(TETHER_RUN_API_SUBMIT_RATE_PER_S=huge, TETHER_RUN_API_SUBMIT_BURST=huge)
+        if self.s.park_heap:
+            # SIGUSR1 writes heap snapshots to TMPDIR (tether_runtime.service.install_heap_snapshot_handler).
+            (self.workdir / "heap").mkdir(parents=True, exist_ok=True)
+            for env in extra_env.values():
+                env["TMPDIR"] = str(self.workdir / "heap")
         self.system = TetherSystem(SystemConfig(
             kafka_bootstrap=self.stack.kafka_bootstrap, pg_dsn=self.stack.pg_dsn, redis_url=self.stack.redis_url,
             workdir=self.workdir, namespace=f"bench_{uuid.uuid4().hex[:8]}", partitions=self.s.partitions,
-            scenarios=[scenarios],
-            extra_env={"run-api": {"TETHER_RUN_API_SUBMIT_RATE_PER_S": huge, "TETHER_RUN_API_SUBMIT_BURST": huge}},
+            scenarios=[scenarios], extra_env=extra_env,
         ))
         began = time.monotonic()
         self.system.start()
@@ -340,12 +351,15 @@ class Bench:
         return None
 
     def phase_park(self) -> None:
-        """Park as many runs on an approval as the time bound allows, with at most `park_inflight` runs
-        submitted but not parked yet (a flood would only measure the backlog), then compare RSS."""
+        """Park runs on an approval in two halves (to `park_runs` / 2, then to `park_runs`, within `park_s`),
+        with at most `park_inflight` submitted but not parked yet (a flood would only measure the backlog).
+        After each half, once every submitted run has parked and a settle pause has passed, read the
+        services' RSS: the slope between the two readings is the marginal cost of a parked run
+        (`parked_rss_mb_per_10k`); RSS after minus before the phase is kept as `..._growth_...`."""
         pids = self.service_pids()
-        time.sleep(2)
+        settle = self.s.park_settle_s
+        time.sleep(settle)
         before = {name: rss_kb(pid) for name, pid in pids.items()}
-        deadline = time.monotonic() + self.scaled(self.s.park_s)
         submitted: set[str] = set()
         parked: set[str] = set()
         early: set[str] = set()
@@ -356,51 +370,84 @@ class Bench:
             with lock:
                 (parked if approval.run_id in submitted else early).add(approval.run_id)
 
-        self.observer.on_approval.append(on_approval)
+        def park_until(target: int, deadline: float) -> None:
+            def submitter(i: int) -> None:
+                client = clients[i % len(clients)]
+                while time.monotonic() < deadline:
+                    with lock:
+                        if len(submitted) >= target:
+                            return
+                        backlog = len(submitted) - len(parked)
+                    if backlog >= self.s.park_inflight:
+                        time.sleep(0.05)
+                        continue
+                    try:
+                        run_id, *_ = submit_until_accepted(client, self.park.goal(), give_up_after_s=30)
+                    except Exception:  # noqa: BLE001 - overload shows as errors; count what parked
+                        time.sleep(0.2)
+                        continue
+                    with lock:
+                        submitted.add(run_id)
+                        if run_id in early:
+                            parked.add(run_id)
 
-        def submitter(i: int) -> None:
-            client = clients[i % len(clients)]
-            while time.monotonic() < deadline:
-                with lock:
-                    if len(submitted) >= self.s.park_max:
-                        return
-                    backlog = len(submitted) - len(parked)
-                if backlog >= self.s.park_inflight:
-                    time.sleep(0.05)
-                    continue
-                try:
-                    run_id, *_ = submit_until_accepted(client, self.park.goal(), give_up_after_s=30)
-                except Exception:  # noqa: BLE001 - overload shows as errors; count what parked
-                    time.sleep(0.2)
-                    continue
-                with lock:
-                    submitted.add(run_id)
-                    if run_id in early:
-                        parked.add(run_id)
-
-        began = time.monotonic()
-        try:
             with ThreadPoolExecutor(self.s.submit_threads) as pool:
                 list(pool.map(submitter, range(self.s.submit_threads)))
-            submit_s = time.monotonic() - began
             self.observer.wait_count(lambda: len(parked) >= len(submitted), 120)
+
+        def level(number: int) -> dict[str, Any]:
+            """Settle, then read every service at the current number of parked runs."""
+            time.sleep(settle)
+            with lock:
+                count = len(parked)
+            reading = {"parked": count, "rss_kb": {name: rss_kb(pid) for name, pid in pids.items()}}
+            if self.s.park_heap:
+                reading["snapshots"] = request_snapshots(pids, number, self.workdir / "heap")
+            return reading
+
+        if self.s.park_heap:
+            # The first snapshot starts tracing, before the first half: what the first half put in
+            # bounded caches (an LRU of states) is traced too, so its turnover in the second half
+            # nets out instead of looking like growth.
+            request_snapshots(pids, 1, self.workdir / "heap")
+        self.observer.on_approval.append(on_approval)
+        began = time.monotonic()
+        bound = self.scaled(self.s.park_s)
+        try:
+            park_until(self.s.park_runs // 2, began + bound / 2)
+            low = level(2)
+            park_until(self.s.park_runs, began + bound)
+            park_s = time.monotonic() - began
+            high = level(3)
         finally:
             self.observer.on_approval.remove(on_approval)
-        time.sleep(3)
-        count = len(parked)
-        after = {name: rss_kb(pid) for name, pid in self.service_pids().items()}
-        same = [name for name in before if name in after and pids.get(name) == self.system.processes[name].pid]
+        # A service that exited or was restarted during the phase: its readings compare nothing.
+        same = {name: pid for name, pid in pids.items()
+                if self.system.processes[name].pid == pid and self.system.processes[name].running}
+        after = {name: rss_kb(pid) for name, pid in same.items()}
         growth_kb = sum(after[n] - before[n] for n in same)
-        self.results["park"] = {
-            "submitted": len(submitted), "parked_runs": count, "submit_s": round(submit_s, 1),
-            "parked_per_s": round(count / max(0.001, time.monotonic() - began), 1),
+        count = len(parked)
+        low_kb = {n: v for n, v in low["rss_kb"].items() if n in same}
+        high_kb = {n: v for n, v in high["rss_kb"].items() if n in same}
+        per_run = marginal_kb_per_run(low_kb, high_kb, low["parked"], high["parked"])
+        result: dict[str, Any] = {
+            "submitted": len(submitted), "parked_runs": count, "park_s": round(park_s, 1),
+            "parked_per_s": round(count / max(0.001, park_s), 1),
+            "parked_at_levels": [low["parked"], high["parked"]],
             "rss_mb_before": {k: round(v / 1024, 1) for k, v in before.items()},
-            "rss_mb_after": {k: round(v / 1024, 1) for k, v in after.items()},
+            "rss_mb_at_levels": [{k: round(v / 1024, 1) for k, v in r["rss_kb"].items()} for r in (low, high)],
+            "rss_kb_per_parked_run": per_run,
+            "parked_rss_mb_per_10k": mb_per_10k(per_run) if len(same) == len(pids) else None,
             "rss_growth_mb_per_service": {n: round((after[n] - before[n]) / 1024, 1) for n in same},
             "rss_growth_mb": round(growth_kb / 1024, 1),
-            "parked_rss_mb_per_10k": round(growth_kb / 1024 / count * 10_000, 1) if count else None,
-            "services_restarted_during_phase": sorted(set(before) - set(same)),
+            "parked_rss_growth_mb_per_10k": round(growth_kb / 1024 / count * 10_000, 1) if count else None,
+            "services_restarted_during_phase": sorted(set(pids) - set(same)),
         }
+        if self.s.park_heap:
+            runs = high["parked"] - low["parked"]
+            result["heap"] = {name: heap_growth(low["snapshots"][name], high["snapshots"][name], runs)
+                              for name in same if name in low["snapshots"] and name in high["snapshots"]}
+        self.results["park"] = result
 
     def check_services(self, phase: str) -> None:
         """A service that died during a phase is recorded (a finding) and started again."""
@@ -464,6 +511,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "concurrency_at_peak": tp.get("concurrency"),
         "parked_runs": results.get("park", {}).get("parked_runs"),
         "parked_rss_mb_per_10k": results.get("park", {}).get("parked_rss_mb_per_10k"),
+        "parked_rss_growth_mb_per_10k": results.get("park", {}).get("parked_rss_growth_mb_per_10k"),
         "recovery_s_p99": results.get("recovery", {}).get("recovery_s_p99"),
         "peer_steps_per_s": peer.get("steps_per_s"),
         "peer_ratio_steps_per_s": round(steps / peer["steps_per_s"], 2) if steps and peer.get("steps_per_s") else None,

@@ -1,0 +1,47 @@
+"""The park phase's figures: the marginal RSS slope between two levels, and the heap diff by allocation site."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+from tether_bench.heap import heap_growth, marginal_kb_per_run, mb_per_10k
+
+
+def test_the_slope_leaves_out_what_was_paid_before_the_first_level() -> None:
+    # 500 MB of warm-up before the first level, then 2 KiB per run from 1,000 to 3,000 runs.
+    low = {"budget": 600_000, "planner": 100_000}
+    high = {"budget": 604_000, "planner": 101_000}
+    per_run = marginal_kb_per_run(low, high, 1_000, 3_000)
+    assert per_run == {"budget": 2.0, "planner": 0.5}
+    assert mb_per_10k(per_run) == round(2.5 * 10_000 / 1024, 1)
+
+
+def test_no_slope_without_runs_parked_between_the_levels_or_for_a_restarted_service() -> None:
+    assert marginal_kb_per_run({"budget": 10}, {"budget": 20}, 500, 500) == {"budget": None}
+    per_run = marginal_kb_per_run({"budget": 10, "planner": 10}, {"budget": 20}, 0, 10)
+    assert per_run == {"budget": 1.0, "planner": None}
+    assert mb_per_10k(per_run) is None
+
+
+def _grow(kept: list, runs: int) -> None:
+    for _ in range(runs):
+        kept.append(bytearray(4_000))  # the site the diff must name
+
+
+def test_heap_growth_names_the_allocation_site_per_run(tmp_path) -> None:
+    kept: list = []
+    tracemalloc.start(4)
+    try:
+        tracemalloc.take_snapshot().dump(str(tmp_path / "low"))
+        _grow(kept, 200)
+        tracemalloc.take_snapshot().dump(str(tmp_path / "high"))
+    finally:
+        tracemalloc.stop()
+    growth = heap_growth(tmp_path / "low", tmp_path / "high", 200)
+    top = growth["top_lines"][0]
+    assert "test_heap.py" in top["site"] and 4_000 <= top["bytes_per_run"] < 4_200
+    assert top["blocks_per_run"] in (1.0, 2.0)  # the object, and its buffer where not inline
+    # With the path to it: the allocating line in _grow, then the line that called _grow.
+    inner, caller = growth["top_sites"][0]["site"].split(" <- ")[:2]
+    assert inner == top["site"] and "test_heap.py" in caller
+    assert growth["traced_bytes_per_run"] >= 4_000
