@@ -1,6 +1,7 @@
-"""A team's own tools behind the gateway: an HTTP tool service (the dev HTTP sink) and a local MCP server.
+"""A team's own tools behind the gateway: an HTTP tool service (the dev HTTP sink), a local MCP server, and an
+MCP server over stdio that the gateway runs in its sandbox.
 
-The agent calls both through the gateway like any built-in tool; the calls are recorded with their
+The agent calls them through the gateway like any built-in tool; the calls are recorded with their
 decisions. The HTTP sink records each request at once and answers 4 s later, so a SIGKILL of the
 gateway lands between the effect and its answer: an idempotent tool is re-run with the same
 Idempotency-Key (the service can apply it once); a non-idempotent one gets ToolCallOutcomeUnknown.
@@ -34,8 +35,14 @@ from tether_contracts.records import (
 from tether_messaging.chain import verify_chain
 from tether_messaging.serde import open_payload
 from tether_testing.system import SystemConfig, TetherSystem
+from tether_tool_gateway.executors.mcp_stdio import StdioServer, list_mcp_stdio_tools, tool_specs_from_mcp_stdio
 from tether_tool_gateway.executors.mcp_tool import list_mcp_tools, tool_specs_from_mcp
-from tether_tool_gateway.mcp_testing import RunningMcpServer, start_mcp_server
+from tether_tool_gateway.mcp_testing import (
+    RunningMcpServer,
+    StdioDemoUnavailable,
+    shared_stdio_demo,
+    start_mcp_server,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -64,19 +71,31 @@ def mcp_server() -> Iterator[RunningMcpServer]:
 
 
 @pytest.fixture(scope="module")
+def stdio_demo() -> StdioServer | None:
+    """The stdio demo server as the gateway's sandbox runs it (None where this machine cannot)."""
+    try:
+        return shared_stdio_demo()
+    except StdioDemoUnavailable:
+        return None
+
+
+@pytest.fixture(scope="module")
 def tether_system(kafka_bootstrap: str, pg_dsn: str, redis_url: str, mcp_server: RunningMcpServer,
+                  stdio_demo: StdioServer | None,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[TetherSystem]:
     """This module's own system; its HTTP sink answers late. The demo tenant also gets the team's tools."""
+    gateway_env = {"TETHER_GATEWAY_SECRETS_ENV_PREFIX": "TEAMSECRET_", "TEAMSECRET_TEAM_TOKEN": SECRET}
+    if stdio_demo is not None:
+        # The operator lets stdio tools bind the demo server's files (and nothing else) into their sandbox.
+        gateway_env["TETHER_GATEWAY_MCP_STDIO_ROOTS"] = json.dumps(list(stdio_demo.read_only_paths))
     system = TetherSystem(SystemConfig(
         kafka_bootstrap=kafka_bootstrap, pg_dsn=pg_dsn, redis_url=redis_url,
         workdir=tmp_path_factory.mktemp("tether-user-tools"), partitions=2, scenarios=[SCENARIOS],
-        sink_delay_ms={"http": SINK_DELAY_MS},
-        extra_env={"tool-gateway": {"TETHER_GATEWAY_SECRETS_ENV_PREFIX": "TEAMSECRET_",
-                                    "TEAMSECRET_TEAM_TOKEN": SECRET}},
+        sink_delay_ms={"http": SINK_DELAY_MS}, extra_env={"tool-gateway": gateway_env},
     ))
     try:
         system.start()
-        register_team_tools(system, mcp_server)
+        register_team_tools(system, mcp_server, stdio_demo)
         yield system
     finally:
         system.stop()
@@ -85,9 +104,10 @@ def tether_system(kafka_bootstrap: str, pg_dsn: str, redis_url: str, mcp_server:
     assert not leftovers, f"processes of the system still running after stop(): {leftovers}"
 
 
-def register_team_tools(system: TetherSystem, mcp_server: RunningMcpServer) -> None:
-    """The built-in tools plus the team's: three HTTP tools and the MCP server's tools (imported from
-    its tools/list; the operator marks them READ_ONLY, else each call would wait for an approval)."""
+def register_team_tools(system: TetherSystem, mcp_server: RunningMcpServer, stdio_demo: StdioServer | None) -> None:
+    """The built-in tools plus the team's: three HTTP tools, the MCP server's tools and the stdio server's
+    `where` (imported from their tools/list; the operator marks them READ_ONLY, else each call would wait
+    for an approval). `where` gets the team's token in its environment, by handle."""
     from tether_run_api import admin
     from tether_run_api.adapters.postgres import PostgresStore, migrate, open_pool
     from tether_tool_gateway.builtin_tools import builtin_tool_specs
@@ -99,6 +119,12 @@ def register_team_tools(system: TetherSystem, mcp_server: RunningMcpServer) -> N
             http_tool("team_ticket", f"{base}/team/ticket", idempotent=False)]
     team += tool_specs_from_mcp(mcp_server.url, list_mcp_tools(mcp_server.url), prefix="demo_",
                                 risk_class=RiskClass.READ_ONLY, egress=False)
+    if stdio_demo is not None:
+        server = StdioServer(command=stdio_demo.command, read_only_paths=stdio_demo.read_only_paths,
+                             env={**stdio_demo.env, "DEMO_TOKEN": "secret://team/token"})
+        declared = [t for t in list_mcp_stdio_tools(server) if t.name == "where"]
+        team += tool_specs_from_mcp_stdio(server, declared, prefix="sd_", risk_class=RiskClass.READ_ONLY,
+                                          egress=False)
     tools = builtin_tool_specs(kv_url=system.sink_urls["kv"], smtp_host="127.0.0.1", smtp_port=system.smtp_port,
                                email_from=system.config.email_from, http_allow_hosts=["127.0.0.1"]) + team
     model = system.config.model
@@ -188,6 +214,36 @@ def test_an_agent_uses_a_teams_http_tool_and_mcp_tool(tether_system, mcp_server,
     assert "[REDACTED" in done["1.0"].result_json
     assert SECRET not in repr(event_log.run(run_id)) and SECRET not in repr(payloads)
     assert SECRET not in ledger_text(system, pg_dsn)
+    for name in system.processes:
+        log_file = system.log_path(name)
+        assert not log_file.exists() or SECRET not in log_file.read_text(errors="replace"), name
+
+
+@pytest.mark.timeout(300)
+def test_an_agent_uses_a_teams_mcp_stdio_tool_run_in_the_sandbox(tether_system, stdio_demo, runs, event_log,
+                                                                  pg_dsn):
+    if stdio_demo is None:
+        pytest.skip("the sandbox cannot run the stdio demo server on this machine")
+    system = tether_system
+    run_id = system.client.submit("[scenario:e2e-user-tools-stdio] Where does the team's server run?")
+    run = runs.wait_for_end(run_id)
+    assert run.status == runs_pb.RUN_STATUS_COMPLETED, runs.logs()
+    payloads = check_log(event_log.run(run_id))
+    # Requested by the model, budgeted, allowed by the policy (with the gateway's authorization record,
+    # where it writes one) and executed: the decision trail.
+    trail = [type(p).__name__ for p in payloads
+             if (p.call.call_id if isinstance(p, ToolCallRequested) else getattr(p, "call_id", None)) == "1.0"]
+    assert trail[:2] == ["ToolCallRequested", "ToolCallBudgeted"] and trail[-1] == "ToolCallCompleted", trail
+    assert set(trail[2:-1]) <= {"ToolCallAuthorized"}, trail
+    [done] = [p for p in payloads if isinstance(p, ToolCallCompleted)]
+    assert done.tool_name == "sd_where" and done.untrusted
+    # The server ran inside the gateway's sandbox: uid 65534, bwrap's host name, loopback only.
+    facts = json.loads(done.result_json)["structured_content"]
+    assert (facts["uid"], facts["hostname"], facts["interfaces"]) == (65534, "sandbox", ["lo"])
+    # Its environment had the team's token (it echoed it back: redacted before it was recorded), and
+    # the token is nowhere else: not the log of events, not the ledger, not a process's log.
+    assert facts["env"]["DEMO_TOKEN"].startswith("[REDACTED")
+    assert SECRET not in repr(event_log.run(run_id)) and SECRET not in ledger_text(system, pg_dsn)
     for name in system.processes:
         log_file = system.log_path(name)
         assert not log_file.exists() or SECRET not in log_file.read_text(errors="replace"), name
