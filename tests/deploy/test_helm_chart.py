@@ -72,3 +72,18 @@ def test_no_secret_values_in_rendered_manifests():
 def test_invalid_values_are_rejected():
     with pytest.raises(Exception, match="replicas"):
         _render({"services": {"planner": {"replicas": "three"}}})
+
+
+def test_exactly_once_processors_keep_their_state_store_on_pod_disk():
+    docs = _render({"stateVolume": {"sizeLimit": "5Gi"}})
+    for s in ("budget", "planner", "tool-gateway", "approval"):
+        pod = next(d for d in docs if d["metadata"]["name"] == f"tether-{s}" and d["kind"] == "StatefulSet")
+        spec = pod["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        state_dir = next(e["value"] for e in container["env"] if e["name"].endswith("_STATE_DIR"))
+        mount = next(m for m in container["volumeMounts"] if m["mountPath"] == state_dir)
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        # scratch disk, not a memory filesystem (tmpfs pages would count as the pod's memory)
+        assert volume["emptyDir"] == {"sizeLimit": "5Gi"}
+    run_api = next(d for d in docs if d["metadata"]["name"] == "tether-run-api" and d["kind"] == "Deployment")
+    assert "volumes" not in run_api["spec"]["template"]["spec"]
