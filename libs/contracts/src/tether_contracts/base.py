@@ -29,8 +29,15 @@ class AvroRecord(BaseModel):
     KIND: ClassVar[str]
 
     def to_avro(self) -> dict[str, Any]:
-        """The record as a datum fastavro can write with this record's schema."""
+        """The record as a datum fastavro can write with this record's schema (enum members as
+        their str values: also plain JSON data)."""
         return {name: _to_datum(getattr(self, name)) for name in type(self).model_fields}
+
+    def avro_datum(self) -> dict[str, Any]:
+        """The datum the serde writes: pydantic's own (compiled) dump, 2-10x faster than `to_avro`
+        per record. Enum members stay members; every generated enum is a `str` enum, which fastavro
+        writes by its value, so the bytes are those of `to_avro()` (tests/test_records.py)."""
+        return self.model_dump()
 
     @classmethod
     def from_avro(cls, datum: dict[str, Any]) -> Self:

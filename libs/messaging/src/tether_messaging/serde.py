@@ -114,7 +114,7 @@ class WriterSchemaSource(Protocol):
 
 def _body(record: AvroRecord, schemas: SchemaSet) -> bytes:
     buf = io.BytesIO()
-    fastavro.schemaless_writer(buf, schemas.parsed[record.AVRO_NAME], record.to_avro())
+    fastavro.schemaless_writer(buf, schemas.parsed[record.AVRO_NAME], record.avro_datum())
     return buf.getvalue()
 
 
