@@ -1,0 +1,159 @@
+"""An aborted batch leaves nothing behind: no outputs, no state, no work started; its inputs are handled again exactly once."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
+from tether_contracts.records import Remaining, RunRejected, StepGranted
+from tether_messaging import loop as loop_mod
+from tether_messaging.admin import declare_topics
+from tether_messaging.envelopes import make_envelope
+from tether_messaging.loop import LoopConfig, ProcessorLoop
+from tether_messaging.processor import Context, Inbound
+from tether_messaging.serde import decode_envelope, encode, open_payload
+from tether_messaging.topics import Topics
+
+# The exactly-once checker of the kill tests (a sibling file, run there as a process).
+_spec = importlib.util.spec_from_file_location("eos_processor", Path(__file__).with_name("eos_processor.py"))
+eos_processor = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(eos_processor)
+
+PARTITIONS = 2
+RUNS = 4
+INPUTS_PER_RUN = 15
+TOTAL = RUNS * INPUTS_PER_RUN
+#: The input whose first handling emits a record the producer refuses (after input 7 of the
+#: same run started work in the same batch).
+POISON_INPUT = 8
+REMAINING = Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)
+
+
+class AbortsOnce(eos_processor.EosProcessor):
+    """The exactly-once checker, whose first handling of each run's input 8 also emits a 2 MB
+    record: the producer refuses it (over `message.max.bytes`), which aborts the batch's
+    transaction. The replayed handling emits nothing extra. Counts how often each work item ran."""
+
+    def __init__(self, topics: Topics) -> None:
+        super().__init__(topics, work_sleep_ms=10)
+        self.poisoned: set[str] = set()
+        self.work_runs: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def handle(self, msg: Inbound, ctx: Context) -> None:
+        run_id = msg.envelope.run_id
+        if msg.payload.step == POISON_INPUT and run_id not in self.poisoned:
+            self.poisoned.add(run_id)
+            ctx.emit(self.output, RunRejected(request_id="x", reason_code="TOO_BIG", detail="x" * 2_000_000),
+                     run_id=run_id, tenant_id=msg.envelope.tenant_id, event_id=f"poison:{run_id}")
+        super().handle(msg, ctx)
+
+    def _start(self, ctx: Context, run_id: str, state: eos_processor.RunCounter, n: int) -> None:
+        key = f"{run_id}:{n}"
+
+        def work() -> int:
+            with self._lock:
+                self.work_runs[key] += 1
+            time.sleep(self.work_sleep_s)
+            return n
+
+        ctx.start_work(key, run_id, state.tenant_id, work)
+
+
+def _latest_changelog(bootstrap: str, topic: str) -> dict[bytes, bytes | None]:
+    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic}.check", "enable.partition.eof": True,
+                       "isolation.level": "read_committed", "enable.auto.commit": False})
+    reader.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
+    latest: dict[bytes, bytes | None] = {}
+    at_end: set[int] = set()
+    deadline = time.monotonic() + 30
+    while len(at_end) < PARTITIONS and time.monotonic() < deadline:
+        msg = reader.poll(0.2)
+        if msg is None:
+            continue
+        if msg.error():
+            if msg.error().code() == KafkaError._PARTITION_EOF:
+                at_end.add(msg.partition())
+            continue
+        latest[msg.key()] = msg.value()
+    reader.close()
+    return latest
+
+
+@pytest.mark.integration
+def test_an_aborted_batch_is_rolled_back_and_its_inputs_handled_again_exactly_once(
+    kafka_bootstrap: str, topic_prefix: str
+) -> None:
+    topics = Topics(topic_prefix)
+    declare_topics(kafka_bootstrap, PARTITIONS, ["eos"], prefix=topic_prefix)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 50})
+    expected: dict[str, list[str]] = defaultdict(list)
+    for n in range(1, INPUTS_PER_RUN + 1):
+        for r in range(RUNS):
+            env = make_envelope(StepGranted(step=n, remaining=REMAINING), run_id=f"run-{r}", tenant_id="t",
+                                event_id=f"in:{r}:{n}", producer="test", recorded_at_ms=0)
+            producer.produce(topics.commands, encode(env), env.run_id.encode(), partition=r % PARTITIONS)
+            expected[env.run_id].append(env.event_id)
+    assert producer.flush(30) == 0
+
+    processor = AbortsOnce(topics)
+    loop = ProcessorLoop(processor, LoopConfig(bootstrap=kafka_bootstrap, topics=topics))
+    aborted_before = loop_mod.BATCHES.labels("eos", "aborted")._value.get()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run(stop)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{topic_prefix}reader",
+                       "isolation.level": "read_committed", "enable.auto.commit": False})
+    reader.assign([TopicPartition(topics.run_events, p, 0) for p in range(PARTITIONS)])
+    outputs: list = []
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not errors:
+            if len(outputs) >= TOTAL:
+                deadline = min(deadline, time.monotonic() + 1.0)  # a duplicate would show up by then
+            msg = reader.poll(0.2)
+            if msg is not None and not msg.error():
+                outputs.append((msg.partition(), msg.offset(), decode_envelope(msg.value())))
+    finally:
+        stop.set()
+        thread.join(60)
+        reader.close()
+    assert not errors, errors
+
+    assert processor.poisoned == {f"run-{r}" for r in range(RUNS)}
+    assert loop_mod.BATCHES.labels("eos", "aborted")._value.get() >= aborted_before + 1, "no batch was aborted"
+    # Nothing of an aborted transaction is visible, and every input has exactly one output, in
+    # order, numbered without gaps by the run's checkpointed counter (the aborted batch's
+    # counter increments were rolled back, not carried into the replay).
+    assert not [o for o in outputs if o[2].event_id.startswith("poison:")]
+    assert len(outputs) == TOTAL
+    per_run: dict[str, list[tuple[int, str | None]]] = defaultdict(list)
+    for _p, _o, env in sorted(outputs, key=lambda o: (o[0], o[1])):
+        per_run[env.run_id].append((open_payload(env).step, env.causation_id))
+    for run, outs in per_run.items():
+        assert [step for step, _ in outs] == list(range(1, INPUTS_PER_RUN + 1)), f"{run}: {outs}"
+        assert [cause for _, cause in outs] == expected[run], f"{run}: not one output per input in order"
+    # Work decided in an aborted batch never started: each work item ran exactly once.
+    work_keys = {f"run-{r}:{n}" for r in range(RUNS) for n in range(1, INPUTS_PER_RUN + 1)
+                 if n % eos_processor.WORK_EVERY == 0}
+    assert processor.work_runs == Counter(dict.fromkeys(work_keys, 1))
+    # The checkpointed states are the committed ones: every run counted each input once.
+    latest = _latest_changelog(kafka_bootstrap, topics.changelog("eos"))
+    counters = {key.decode(): json.loads(value)["counter"] for key, value in latest.items()
+                if key.startswith(b"run-") and value is not None}
+    assert counters == {f"run-{r}": INPUTS_PER_RUN for r in range(RUNS)}
