@@ -87,7 +87,7 @@ class BenchSettings(BaseSettings):
                             "report what grew per parked run by allocation site (the second RSS reading then "
                             "includes tracemalloc's own memory, so the RSS slope is not meaningful).")
     phases: str = Field("light,throughput,latency,peer,recovery,park", description="Which phases to run.")
-    profile: bool = Field(False, description="py-spy record budget/planner/tool-gateway during the throughput phase.")
+    profile: bool = Field(False, description="py-spy record the six services during the throughput phase.")
 
 
 def _py_spy() -> str | None:
@@ -217,7 +217,7 @@ class Bench:
             log.warning("TETHER_BENCH_PROFILE set but py-spy is neither in the venv nor on PATH; no profile")
             return []
         procs = []
-        for name in ("budget", "planner", "tool-gateway"):
+        for name in SERVICES:
             out = self.workdir / f"profile-{name}.txt"
             # Starts after the warm-up, so the profile covers the measured window. --gil keeps only
             # the samples of the thread holding the GIL: Python's CPU, not threads blocked in I/O
