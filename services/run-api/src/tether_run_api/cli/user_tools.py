@@ -88,6 +88,8 @@ def import_mcp(
         help="egress allowlist (default: the URL's host)")] = [],
     only: Annotated[list[str], typer.Option(help="import only these server tool names")] = [],  # noqa: B006
     timeout_ms: Annotated[int, typer.Option(help="per-call timeout")] = 30_000,
+    list_timeout_s: Annotated[float, typer.Option(
+        help="how long listing may take (a stdio server starts first)")] = 60.0,
     dry_run: Annotated[bool, typer.Option(help="list what would be registered, register nothing")] = False,
 ) -> None:
     """List an MCP server's tools (tools/list) and register each with the schema it declares.
@@ -109,7 +111,8 @@ def import_mcp(
             raise CliError("--header and --allow-host are for a streamable HTTP server; a stdio server runs "
                            "without network (give it secrets with --env NAME=secret://name)")
         source = StdioServer(command=tuple(server), read_only_paths=tuple(bind), env=_pairs(env, "--env"))
-        declared = _listed(f"the stdio server {shlex.join(server)}", lambda: list_mcp_stdio_tools(source), only)
+        declared = _listed(f"the stdio server {shlex.join(server)}",
+                           lambda: list_mcp_stdio_tools(source, timeout_s=list_timeout_s), only)
         specs = tool_specs_from_mcp_stdio(source, declared, **classification)
     else:
         if len(server) != 1 or bind or env:
@@ -118,7 +121,8 @@ def import_mcp(
         url = server[0]
         headers = _pairs(header, "--header")
         listing_headers = {k: v for k, v in headers.items() if "secret://" not in v}
-        declared = _listed(url, lambda: list_mcp_tools(url, headers=listing_headers), only)
+        declared = _listed(url, lambda: list_mcp_tools(url, headers=listing_headers, timeout_s=list_timeout_s),
+                           only)
         specs = tool_specs_from_mcp(url, declared, headers=headers or None, allow_hosts=allow_host or None,
                                     **classification)
     client = None if dry_run else main._client()
