@@ -169,7 +169,7 @@ def test_garbage_on_stdout_is_an_invalid_result(env, demo):
 def test_a_server_that_hangs_is_killed_at_the_timeout(env, demo):
     marker = f"hang-{uuid.uuid4().hex[:12]}"
     # An extra argument the server ignores marks its processes, to look for leftovers.
-    tool = stdio_tool(demo, "hang", timeout_ms=4_000, command=[*demo.command, marker])
+    tool = stdio_tool(demo, "hang", timeout_ms=3_000, command=[*demo.command, marker])
     outcome = env.run(tool, {"seconds": 600})
     assert isinstance(outcome, Failed) and outcome.error_code == "TIMEOUT", outcome
     assert processes_with(marker) == []  # the sandbox died with the call

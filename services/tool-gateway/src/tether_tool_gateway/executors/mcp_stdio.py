@@ -253,10 +253,13 @@ async def with_sandboxed_server(runner: SandboxRunner, server: StdioServer, env:
         raise
     except Exception as exc:  # transport, protocol (MCPError), the process's end and timeouts alike
         process.kill()
-        end = await anyio.to_thread.run_sync(process.wait, 5.0)
+        with anyio.CancelScope(shield=True):
+            end = await anyio.to_thread.run_sync(process.wait, 5.0)
         raise _session_error(exc, channel, end, what) from exc
     finally:
-        await anyio.to_thread.run_sync(process.close)
+        # Shielded: a cancelled caller must not leave the sandbox (or its descriptors) behind.
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(process.close)
 
 
 def _limits(base: SandboxLimits, overrides: dict[str, int], timeout_s: float) -> SandboxLimits:
