@@ -193,9 +193,10 @@ def test_an_agent_uses_a_teams_http_tool_and_mcp_tool(tether_system, mcp_server,
         return p.call.call_id if isinstance(p, ToolCallRequested) else getattr(p, "call_id", None)
 
     for call_id, tool in (("1.0", "team_lookup"), ("1.1", "demo_add")):
-        # Requested by the model, budgeted, allowed by the policy and executed: the decision trail.
+        # Requested by the model, budgeted, allowed by the policy (its ToolCallAuthorized) and executed.
         trail = [type(p).__name__ for p in payloads if call_of(p) == call_id]
-        assert trail == ["ToolCallRequested", "ToolCallBudgeted", "ToolCallCompleted"], (call_id, trail)
+        assert trail == ["ToolCallRequested", "ToolCallBudgeted", "ToolCallAuthorized", "ToolCallCompleted"], \
+            (call_id, trail)
         [requested] = [p for p in payloads if isinstance(p, ToolCallRequested) and p.call.call_id == call_id]
         assert requested.call.tool_name == tool
     done = {p.call_id: p for p in payloads if isinstance(p, ToolCallCompleted)}

@@ -16,8 +16,10 @@ from tether_contracts.records import (
     RunCompleted,
     RunRejected,
     RunTerminated,
+    RiskClass,
     StepGranted,
     SubmitRun,
+    ToolCallAuthorized,
     ToolCallBudgeted,
     ToolCallCompleted,
     ToolCallDeferred,
@@ -571,6 +573,52 @@ def test_a_deferred_call_is_recorded_and_the_step_waits_for_its_outcome(harness)
     with pytest.raises(Unprocessable) as err:
         h.intake(deferred, "r1", what=("deferred", "1.0", 2), producer="tool-gateway")
     assert err.value.reason == "UNEXPECTED_DEFERRAL"
+
+
+def _authorized(h, call_id: str, run_id: str = "r1", **over) -> ToolCallAuthorized:
+    c = h._call(run_id, call_id)
+    fields = dict(step=int(call_id.split(".")[0]), call_id=call_id, idem_key=c.idem_key, tool_name=c.tool_name,
+                  tool_version=1, args_hash=c.args_hash, risk_class=RiskClass.WRITE,
+                  reasons=["GRANTED", "ARGS_VALID", "RISK_CLASS_NEEDS_NO_APPROVAL"], policy_version="p1",
+                  inputs_hash="0" * 64)
+    return ToolCallAuthorized(**(fields | over))
+
+
+def test_the_gateways_authorization_is_sequenced_before_the_outcome(harness) -> None:
+    h = harness
+    h.submit()
+    h.model(1, 1)
+    h.request(1, 0)
+    go = _authorized(h, "1.0")
+    assert _types(h.intake(go, "r1", what=("authorized", "1.0"), producer="tool-gateway")) == ["ToolCallAuthorized"]
+    assert h.ledger().calls["1.0"].status is CallStatus.BUDGETED  # the outcome finishes the call
+    assert h.intake(go, "r1", what=("authorized", "1.0"), producer="tool-gateway") == []  # a replay
+    assert _types(h.done("1.0")) == ["ToolCallCompleted", "StepGranted"]
+    assert _types(h.log_payloads())[-3:] == ["ToolCallAuthorized", "ToolCallCompleted", "StepGranted"]
+    # An authorization of a finished call, or of other arguments, contradicts the log.
+    with pytest.raises(Unprocessable) as err:
+        h.intake(go, "r1", what=("authorized", "1.0", "again"), producer="tool-gateway")
+    assert err.value.reason == "UNEXPECTED_AUTHORIZATION"
+    h.model(2, 1)
+    h.request(2, 0)
+    with pytest.raises(Unprocessable) as err:
+        h.intake(_authorized(h, "2.0", args_hash="f" * 64), "r1", what=("authorized", "2.0"), producer="tool-gateway")
+    assert err.value.reason == "AUTHORIZATION_MISMATCH"
+
+
+def test_an_authorization_decided_before_the_run_ended_is_still_appended(harness) -> None:
+    h = harness
+    h.submit()
+    h.model(1, 2)
+    h.request(1, 0)
+    h.request(1, 1)
+    h.cancel()
+    # The gateway allowed 1.0 before it saw the cancel: the call runs, so its go is evidence.
+    assert _types(h.intake(_authorized(h, "1.0"), "r1", what=("authorized", "1.0"),
+                           producer="tool-gateway")) == ["ToolCallAuthorized"]
+    assert _types(h.done("1.0")) == ["ToolCallCompleted"]
+    # After its outcome there is nothing left to authorize.
+    assert h.intake(_authorized(h, "1.0"), "r1", what=("authorized", "1.0", "late"), producer="tool-gateway") == []
 
 
 def test_the_delegated_scope_of_the_submit_is_copied_into_run_accepted(harness) -> None:

@@ -181,6 +181,25 @@ def test_declined_approval_denies_the_call_and_closes_the_step(outcome: Approval
     assert t["steps"][("run-5", 1)]["ended_at_ms"] == closed_at
 
 
+def test_an_authorized_call_shows_the_decision_until_its_outcome() -> None:
+    log = RunLog("run-7")
+    log.accepted()
+    log.step(1)
+    log.model(1, 1)
+    log.request(1, 0)
+    log.budgeted(1, 0)
+    log.tool_authorized(1, 0)
+    fold, t = fold_log(log.events)
+    call = t["tool_calls"][("run-7", "1.0")]
+    assert (call["status"], call["policy_version"], call["inputs_hash"]) == (CallStatus.AUTHORIZED, "p1", "ef" * 32)
+    assert t["events"][("run-7", log.events[-1].seq)]["payload"]["reasons"][0] == "GRANTED"
+    assert fold.status == RunStatus.RUNNING and t["steps"][("run-7", 1)]["status"] != StepStatus.COMPLETED
+    log.tool_completed(1, 0)
+    _, t = fold_log(log.events[-1:], fold, t)
+    call = t["tool_calls"][("run-7", "1.0")]
+    assert call["status"] == CallStatus.COMPLETED and call["policy_version"] == "p1"
+
+
 def test_recovered_result_withdraws_the_unknown_outcome_approval() -> None:
     log = RunLog("run-6")
     log.accepted()

@@ -27,6 +27,7 @@ from tether_contracts.records import (
     StepGranted,
     SubmitRun,
     ToolCall,
+    ToolCallAuthorized,
     ToolCallBudgeted,
     ToolCallCompleted,
     ToolCallRequested,
@@ -41,6 +42,8 @@ from tether_run_api.cli import main as cli
 from tether_run_api.cli.audit import EXIT_UNREADABLE
 from tether_run_api.cli.client import CliError
 from tether_tool_gateway.builtin_tools import builtin_tool_specs
+from tether_tool_gateway.domain.policy import Allow, CallDecisionInputs, TrustPolicy
+from tether_tool_gateway.domain.policy_document import default_policy
 
 RUN, TENANT = "run-audit-1", "t1"
 T0 = 1_800_000_000_000
@@ -219,6 +222,47 @@ def test_an_approval_decision_that_does_not_follow_is_reported():
     assert any("after its expiry" in p for p in problems)
     assert any("who submitted the run" in p for p in problems)
     assert any("the request is for call" in p for p in problems)
+
+
+def _authorized(s: Sequencer, call: ToolCall, step: int, *, forge: list[str] | None = None) -> ToolCallAuthorized:
+    """The gateway's ToolCallAuthorized for `call`, decided as the gateway decides it: the default
+    policy over the run's recorded inputs at its ToolCallBudgeted (the last event in the log).
+    `forge`: reasons for a call the policy does not allow (what a faulty gateway would record)."""
+    budgeted = s.log[-1]
+    assert budgeted.event_type == ToolCallBudgeted.AVRO_NAME
+    tool = next(t for t in TOOLS if t.name == call.tool_name)
+    policy = TrustPolicy(default_policy())
+    decision = policy.decide_call(CallDecisionInputs(
+        tool_name=call.tool_name, args_json=call.args_json, args_hash=call.args_hash, tool=tool,
+        tenant_grants=NAMES, agent_allowlist=NAMES, recorded_at_ms=budgeted.recorded_at_ms, tenant_id=TENANT,
+        agent_id="a", principal_id="alice"))
+    assert isinstance(decision.verdict, Allow) == (forge is None), decision.verdict
+    return ToolCallAuthorized(step=step, call_id=call.call_id, idem_key=call.idem_key, tool_name=call.tool_name,
+                              tool_version=tool.version, args_hash=call.args_hash, risk_class=tool.risk_class,
+                              reasons=list(decision.verdict.reasons) if forge is None else forge,
+                              policy_version=decision.policy_version, inputs_hash=decision.inputs_hash)
+
+
+def test_an_allowed_call_is_checked_by_its_authorization_and_a_forged_one_is_reported():
+    s = Sequencer(_submit())
+    s.intake(_model(1, 2), "planner", "m1")
+    get_req, get_call = _call(1, 0, "kv_get", {"key": "k"})
+    s.intake(get_req, "planner", "r1.0")
+    s.intake(_authorized(s, get_call, 1), "tool-gateway", "a1.0")
+    s.intake(_completed(get_call, 1), "tool-gateway", "c1.0")
+    mail_req, mail_call = _call(1, 1, "send_email", {"to": "x@evil.test", "subject": "s", "body": "b"})
+    s.intake(mail_req, "planner", "r1.1")
+    # A gateway that lets send_email run without a human records an authorization the policy does not give.
+    s.intake(_authorized(s, mail_call, 1, forge=["GRANTED", "ARGS_VALID", "RISK_CLASS_WAIVED"]),
+             "tool-gateway", "a1.1")
+    s.intake(_completed(mail_call, 1, '{"sent":true}'), "tool-gateway", "c1.1")
+    report = verify_log(s.log)
+    assert [(f.check, f.event_type) for f in report.mismatches] == [("gateway", ToolCallAuthorized.AVRO_NAME)], \
+        render_text(report)
+    assert "1.1: the policy says approval ['RISK_CLASS'], not allow" in report.mismatches[0].problem
+    kinds = [e.event_type.rsplit(".", 1)[-1] for e in s.log]
+    assert kinds[kinds.index("ToolCallBudgeted"):][:3] == ["ToolCallBudgeted", "ToolCallAuthorized",
+                                                           "ToolCallCompleted"]
 
 
 # -- the CLI over a real Kafka topic --------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 from tether_contracts.records import (
     ApprovalOutcome,
     ApprovalRequested,
+    ToolCallAuthorized,
     ToolCallCompleted,
     ToolCallDeferred,
     ToolCallDenied,
@@ -39,8 +40,8 @@ def recorded(make_harness):
     a = gw.request("kv_put", {"key": "a", "value": 1}, call_index=0)
     b = gw.request("kv_put", {"key": "b", "value": 2}, call_index=1)
     bad = gw.request("http_get", {"url": "http://127.0.0.1@evil.example/"}, call_index=2)
-    gw.budget(a)
-    gw.budget(b)
+    gw.log(gw.budget(a))
+    gw.log(gw.budget(b))
     gw.log(gw.budget(bad))
     gw.log(gw.driver.run_work())
     gw.driver.now_ms += 10_000
@@ -48,7 +49,7 @@ def recorded(make_harness):
     gw.log(gw.driver.run_work())
     # step 2: an untrusted page
     page = gw.request("http_get", PAGE, step=2)
-    gw.budget(page)
+    gw.log(gw.budget(page))
     gw.log(gw.driver.run_work())
     # step 3: two emails on the tainted run; one rejected, one approved and sent
     rejected = gw.request("send_email", EMAIL, step=3, call_index=0)
@@ -61,7 +62,8 @@ def recorded(make_harness):
     gw.decide(approved, req_a.approval_id, ApprovalOutcome.APPROVED)
     gw.log(gw.driver.run_work())
     kinds = [type(p).__name__ for _, p in gw.run_log()]
-    for kind in ("ToolCallDenied", "ToolCallDeferred", "ApprovalRequested", "ApprovalDecided", "ToolCallCompleted"):
+    for kind in ("ToolCallAuthorized", "ToolCallDenied", "ToolCallDeferred", "ApprovalRequested", "ApprovalDecided",
+                 "ToolCallCompleted"):
         assert kind in kinds, kinds
     return gw
 
@@ -132,8 +134,38 @@ def test_an_effect_after_a_denial_or_without_approval_is_reported(recorded):
 
 
 def test_an_undecided_effect_is_checked_against_the_policy_in_force(recorded):
+    # A log written before ToolCallAuthorized existed: the allowed calls ran without a decision event.
+    legacy = [(env, p) for env, p in recorded.run_log() if not isinstance(p, ToolCallAuthorized)]
+    assert audit(recorded, legacy) == [] and audit(recorded, legacy, allow_version=recorded.policy.version) == []
     strict = TrustPolicy(parse_policy(json.dumps({"version": "strict", "approval": {"require_risk_classes": ["WRITE"]},
                                                   "rate_limits": [{"tool": "kv_put", "limit": 1, "per_s": 10}]})))
     policies = {recorded.policy.version: recorded.policy, strict.version: strict}
-    found = GatewayAudit(policies, allow_version=strict.version).check(recorded.run_log())
+    found = GatewayAudit(policies, allow_version=strict.version).check(legacy)
     assert sorted({m.call_id for m in found}) == ["1.0", "1.1"]  # the kv_puts ran with no approval
+    assert all("ran without a decision" in m.problem for m in found)
+    # With the decision on the record, that decision is what is checked, under its own version.
+    assert GatewayAudit(policies, allow_version=strict.version).check(recorded.run_log()) == []
+
+
+# -- allowed calls: ToolCallAuthorized ------------------------------------------------------------
+@pytest.mark.parametrize("update,what", [
+    ({"reasons": ["GRANTED", "ARGS_VALID", "RISK_CLASS_WAIVED"]}, "reasons"),
+    ({"args_hash": "0" * 64}, "args_hash"),
+    ({"risk_class": "READ_ONLY"}, "risk_class"),
+    ({"inputs_hash": "f" * 64}, "inputs_hash"),
+])
+def test_an_authorization_that_does_not_follow_from_its_inputs_is_reported(recorded, update, what):
+    (m,) = audit(recorded, tamper(recorded.run_log(), ToolCallAuthorized, "1.0", **update))
+    assert (m.call_id, m.event_type) == ("1.0", "tether.v1.ToolCallAuthorized") and m.problem.startswith(what)
+
+
+def test_an_authorization_the_recorded_policy_does_not_give_is_reported(recorded):
+    # The same version under a document that wants a human for writes: the kv_puts needed approval.
+    version = recorded.policy.version
+    stricter = TrustPolicy(parse_policy(json.dumps({"version": "audit/1",
+                                                    "approval": {"require_risk_classes": ["WRITE"]}})))
+    found = GatewayAudit({version: stricter}).check(recorded.run_log())
+    problems = {(m.call_id, m.problem) for m in found if m.event_type == "tether.v1.ToolCallAuthorized"
+                and m.call_id in ("1.0", "1.1")}
+    assert problems == {("1.0", "the policy says approval ['RISK_CLASS'], not allow"),
+                        ("1.1", "the policy says approval ['RISK_CLASS'], not allow")}

@@ -31,6 +31,7 @@ from tether_contracts.records import (
     Remaining,
     RunAccepted,
     ToolCall,
+    ToolCallAuthorized,
     ToolCallBudgeted,
     ToolCallCompleted,
     ToolCallOutcomeUnknown,
@@ -190,8 +191,12 @@ def test_gateway_killed_mid_effect_duplicates_nothing(kafka_bootstrap, pg_schema
 
         intake.poll(3.0)  # a duplicate committed by mistake would arrive now
         kinds = [(type(p).__name__, p.call_id) for p in intake.payloads()]
-        assert sorted(kinds) == [("ApprovalRequested", "1.1"), ("ToolCallCompleted", "1.0"),
-                                 ("ToolCallOutcomeUnknown", "1.1")]
+        assert sorted(kinds) == [("ApprovalRequested", "1.1"), ("ToolCallAuthorized", "1.0"),
+                                 ("ToolCallCompleted", "1.0"), ("ToolCallOutcomeUnknown", "1.1")]
+        # kv_put's go was committed once, with the decision, before its outcome (the kill did not repeat it).
+        assert kinds.index(("ToolCallAuthorized", "1.0")) < kinds.index(("ToolCallCompleted", "1.0"))
+        authorized = next(p for p in intake.payloads() if type(p).__name__ == "ToolCallAuthorized")
+        assert authorized.args_hash == calls["kv_put"].args_hash and authorized.policy_version.startswith("default/1@")
         kv_recs = kv.records()
         assert len(kv_recs) == 2 and sum(r["applied"] for r in kv_recs) == 1
         assert {r["idempotency_key"] for r in kv_recs} == {calls["kv_put"].idem_key}
@@ -293,6 +298,10 @@ def test_gateway_process_applies_the_policy_document_rate_limits_and_taint(kafka
         assert deferred.call_id in ("1.0", "1.1") and deferred.reason_code == "RATE_LIMITED"
         assert 0 < deferred.retry_after_ms <= 2_000 and deferred.policy_version == policy_version
         assert len(smtp.records()) == 1 and sum(r["applied"] for r in kv.records()) == 2
+        # The waived email ran on its recorded go: the policy version and the rules that allowed it.
+        mail_go = intake.wait_for(ToolCallAuthorized, "1.2", gateway, timeout=10)
+        assert mail_go.policy_version == policy_version and mail_go.risk_class.value == "IRREVERSIBLE"
+        assert mail_go.reasons == ["GRANTED", "ARGS_VALID", "RISK_CLASS_WAIVED", "EGRESS_UNTAINTED"]
         first = "1.1" if deferred.call_id == "1.0" else "1.0"
         for kind, call_id in ((ToolCallCompleted, first), (ToolCallCompleted, "1.2"),
                               (ToolCallDeferred, deferred.call_id), (ToolCallCompleted, deferred.call_id)):

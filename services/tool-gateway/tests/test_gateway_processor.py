@@ -13,6 +13,7 @@ from tether_contracts.records import (
     RiskClass,
     RunTerminated,
     TerminationReport,
+    ToolCallAuthorized,
     ToolCallCompleted,
     ToolCallDenied,
     ToolCallFailed,
@@ -26,7 +27,7 @@ from tether_tool_gateway.domain.policy import DEFAULT_APPROVAL_TTL_MS, approval_
 from tether_tool_gateway.domain.results import ResultLimits
 from tether_tool_gateway.domain.state import CallStatus
 from tether_tool_gateway.execution import tool_spec_json
-from tether_tool_gateway.handlers import outcome_event_id
+from tether_tool_gateway.handlers import authorized_event_id, outcome_event_id
 from tether_tool_gateway.ledger import Intent, Owner, Resolution, ResolutionStatus
 
 KV_ARGS = {"key": "greeting", "value": {"text": "hi"}}
@@ -141,7 +142,18 @@ def test_approval_for_other_arguments_or_too_late_does_not_execute(gw):
 def test_allowed_call_executes_off_the_loop_and_completes(gw):
     gw.accept()
     call = gw.request("kv_put", KV_ARGS)
-    assert gw.budget(call) == []  # nothing runs while handling the record
+    # The decision is recorded while handling the record; nothing runs yet.
+    decided = gw.budget(call)
+    authorized = only(decided, ToolCallAuthorized)
+    assert decided[0].envelope.event_id == authorized_event_id("run-1", call.idem_key)
+    assert decided[0].topic == "tether.run-intake.v1"
+    assert (authorized.call_id, authorized.idem_key, authorized.tool_name, authorized.args_hash) == (
+        call.call_id, call.idem_key, "kv_put", call.args_hash)
+    assert authorized.risk_class is RiskClass.WRITE and authorized.tool_version == 1
+    assert authorized.reasons == ["GRANTED", "ARGS_VALID", "RISK_CLASS_NEEDS_NO_APPROVAL"]
+    assert authorized.policy_version == gw.policy.version and len(authorized.inputs_hash) == 64
+    # No argument values: only their hash (ToolCallRequested holds the arguments).
+    assert "greeting" not in authorized.model_dump_json() and "hi" not in authorized.model_dump_json()
     assert gw.executor.requests == [] and list(gw.driver.pending) == [f"call:{call.idem_key}"]
     emitted = gw.driver.run_work()
     done = only(emitted, ToolCallCompleted)
@@ -158,8 +170,9 @@ def test_allowed_call_executes_off_the_loop_and_completes(gw):
 def test_replayed_budget_record_does_not_execute_twice(gw):
     gw.accept()
     call = gw.request("kv_put", KV_ARGS)
-    gw.budget(call)
-    gw.budget(call)  # held input re-delivered while the work still runs
+    first = gw.budget(call)
+    # Held input re-delivered while the work still runs: the decision stands, not re-recorded.
+    assert gw.budget(call) == [] and [type(e.payload) for e in first] == [ToolCallAuthorized]
     assert len(gw.driver.pending) == 1
     gw.driver.run_work()
     assert gw.budget(call) == [] and gw.driver.pending == {}

@@ -11,6 +11,7 @@ from tether_contracts.records import (
     ApprovalRequested,
     RunTerminated,
     TerminationReport,
+    ToolCallAuthorized,
     ToolCallCompleted,
     ToolCallDeferred,
     ToolCallDenied,
@@ -54,7 +55,9 @@ def test_a_tool_outside_the_delegated_scope_is_denied(gw):
     denied = only(gw.budget(gw.request("kv_put", KV_ARGS)), ToolCallDenied)
     assert denied.reason_code == "TOOL_NOT_ALLOWED" and "delegated scope" in denied.detail
     inside = gw.request("kv_get", {"key": "a"}, call_index=1)
-    assert gw.budget(inside) == [] and list(gw.driver.pending) == [f"call:{inside.idem_key}"]
+    authorized = only(gw.budget(inside), ToolCallAuthorized)
+    assert authorized.reasons[:2] == ["GRANTED", "IN_DELEGATED_SCOPE"]
+    assert list(gw.driver.pending) == [f"call:{inside.idem_key}"]
 
 
 def test_a_constraint_violation_is_denied_before_anything_runs(gw):
@@ -85,7 +88,9 @@ def test_egress_runs_directly_on_a_clean_run_and_needs_approval_once_tainted(mak
     gw = make_harness(policy_json=WAIVED)
     gw.accept(tenant_id="t-ops")
     before = gw.request("send_email", EMAIL_ARGS)
-    assert gw.budget(before) == [] and list(gw.driver.pending) == [f"call:{before.idem_key}"]
+    authorized = only(gw.budget(before), ToolCallAuthorized)
+    assert authorized.reasons[-2:] == ["RISK_CLASS_WAIVED", "EGRESS_UNTAINTED"]
+    assert list(gw.driver.pending) == [f"call:{before.idem_key}"]
     gw.log(gw.driver.run_work())
     fetch_page(gw, step=2)
     assert gw.driver.states["run-1"].tainted_by == ["2.0"]
@@ -95,7 +100,8 @@ def test_egress_runs_directly_on_a_clean_run_and_needs_approval_once_tainted(mak
     assert json.loads(req.provenance_json)["tainted_by"] == ["2.0"]
     # Tools without egress still run on the tainted run.
     put = gw.request("kv_put", KV_ARGS, step=3, call_index=1)
-    assert gw.budget(put) == [] and f"call:{put.idem_key}" in gw.driver.pending
+    only(gw.budget(put), ToolCallAuthorized)
+    assert f"call:{put.idem_key}" in gw.driver.pending
     assert [r.tool.name for r in gw.executor.requests] == ["send_email", "http_get"]
 
 
@@ -107,7 +113,8 @@ def test_taint_follows_the_log_not_the_gateways_own_unsequenced_outputs(make_har
     gw.driver.run_work()  # completed, but not yet in the log
     # A call of the same step was proposed before the model could read the page: not tainted.
     mail = gw.request("send_email", EMAIL_ARGS, call_index=1)
-    assert gw.budget(mail) == [] and gw.driver.states["run-1"].tainted_by == []
+    assert only(gw.budget(mail), ToolCallAuthorized).reasons[-1] == "EGRESS_UNTAINTED"
+    assert gw.driver.states["run-1"].tainted_by == []
 
 
 def test_a_failed_untrusted_read_taints_too(make_harness):

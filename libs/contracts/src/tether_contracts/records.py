@@ -273,6 +273,23 @@ class StepGranted(AvroRecord):
     loop_warning: str | None = Field(None, description="A one-time deterministic note for the model when a loop was first detected.")
 
 
+class ToolCallAuthorized(AvroRecord):
+    """The gateway's policy allowed a budgeted tool call without a human; it runs next (after the rate limiter, if the policy limits the tool). Carries no argument values: those are in ToolCallRequested."""
+
+    AVRO_NAME: ClassVar[str] = "tether.v1.ToolCallAuthorized"
+    KIND: ClassVar[str] = "events"
+    step: int = Field(description="Run-local step number: the model-call round this record belongs to, starting at 1.")
+    call_id: str = Field(description="Identifier of the tool call inside the run: '<step>.<call_index>'.")
+    idem_key: str = Field(description="H(run_id, step, call_index) as lowercase hex SHA-256; the idempotency key of the call's side effect.")
+    tool_name: str = Field(description="Tool allowed to run.")
+    tool_version: int = Field(description="Version of the tool snapshot (RunAccepted.tools) the arguments were checked against.")
+    args_hash: str = Field(description="The authorization is bound to this hash of the canonical arguments.")
+    risk_class: RiskClass = Field(description="Risk class of the tool.")
+    reasons: list[str] = Field(description="The rules that let the call run, in the order they were checked: GRANTED, IN_DELEGATED_SCOPE, ARGS_VALID, CONSTRAINTS_MET, RISK_CLASS_NEEDS_NO_APPROVAL or RISK_CLASS_WAIVED, EGRESS_UNTAINTED (docs/policy.md).")
+    policy_version: str = Field(description="Version of the policy the decision was made under.")
+    inputs_hash: str = Field(description="SHA-256 of the canonical decision inputs, so an auditor can re-derive the decision.")
+
+
 class ToolCallBudgeted(AvroRecord):
     """The budget service reserved budget for a tool call; the gateway may now decide on it."""
 
@@ -474,6 +491,7 @@ RECORD_TYPES: dict[str, type[AvroRecord]] = {
     "tether.v1.RunRejected": RunRejected,
     "tether.v1.StepDeferred": StepDeferred,
     "tether.v1.StepGranted": StepGranted,
+    "tether.v1.ToolCallAuthorized": ToolCallAuthorized,
     "tether.v1.ToolCallBudgeted": ToolCallBudgeted,
     "tether.v1.ToolCallCompleted": ToolCallCompleted,
     "tether.v1.ToolCallDeferred": ToolCallDeferred,

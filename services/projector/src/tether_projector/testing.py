@@ -27,6 +27,7 @@ from tether_contracts.records import (
     StepGranted,
     TerminationReport,
     ToolCall,
+    ToolCallAuthorized,
     ToolCallBudgeted,
     ToolCallCompleted,
     ToolCallDenied,
@@ -163,6 +164,15 @@ class RunLog:
             ToolCallFailed(step=n, call_id=f"{n}.{i}", idem_key=idem_key(self.run_id, n, i), tool_name=tool,
                            error_code=code, detail="took too long", retryable=True),
             "ToolCallFailed", f"{n}.{i}", producer="tool-gateway",
+        )
+
+    def tool_authorized(self, n: int, i: int, tool: str = "search") -> Envelope:
+        return self.append(
+            ToolCallAuthorized(step=n, call_id=f"{n}.{i}", idem_key=idem_key(self.run_id, n, i), tool_name=tool,
+                               tool_version=1, args_hash="cd" * 32, risk_class=RiskClass.READ_ONLY,
+                               reasons=["GRANTED", "ARGS_VALID", "RISK_CLASS_NEEDS_NO_APPROVAL"],
+                               policy_version="p1", inputs_hash="ef" * 32),
+            "ToolCallAuthorized", f"{n}.{i}", producer="tool-gateway",
         )
 
     def tool_denied(self, n: int, i: int, tool: str = "search", reason: str = "TOOL_NOT_ALLOWED") -> Envelope:

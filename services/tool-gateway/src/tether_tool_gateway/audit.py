@@ -7,8 +7,10 @@ reports every event that does not follow from its inputs — a wrong verdict, re
 inputs hash, expiry, provenance or approval id, an unknown policy version — and every call that
 executed although its recorded decision did not allow it.
 
-Allowed calls have no decision event (docs/policy.md); with `allow_version` set, the audit also
-checks that each call executed without a recorded decision is allowed under that policy version.
+An allowed call's decision is its ToolCallAuthorized (reasons, inputs hash, args hash, risk
+class re-derived like any other decision). Logs written before that event existed have none for
+allowed calls; with `allow_version` set, the audit checks that each call executed without a
+recorded decision is allowed under that policy version.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tether_contracts.records import (
     ApprovalRequested,
     Envelope,
     RunAccepted,
+    ToolCallAuthorized,
     ToolCallBudgeted,
     ToolCallCompleted,
     ToolCallDeferred,
@@ -66,7 +69,7 @@ class _Call:
     state: CallState
     inputs: CallDecisionInputs | None = None
     provenance_json: str = ""
-    verdict: str = ""  # "deny", "approval", "approved", "rejected" as recorded
+    verdict: str = ""  # "allow", "deny", "approval", "approved", "rejected" as recorded
     approval: ApprovalRequested | None = None
     decided: ApprovalDecided | None = None
 
@@ -119,6 +122,8 @@ class GatewayAudit:
             call = self._calls.get(payload.call_id)
             if call is not None:
                 call.decided = payload
+        elif isinstance(payload, ToolCallAuthorized):
+            self._check_authorized(env, payload)
         elif isinstance(payload, ToolCallDenied):
             self._check_denied(env, payload)
         elif isinstance(payload, ToolCallDeferred):
@@ -164,6 +169,32 @@ class GatewayAudit:
             "args_hash": (call.state.args_hash, ev.args_hash),
             "approval_id": (approval_id_for(env.run_id, call.state.idem_key, call.state.args_hash), ev.approval_id),
             "provenance_json": (call.provenance_json, ev.provenance_json),
+        }
+        for name, (want, got) in expected.items():
+            if want != got:
+                self._report(env, ev.call_id, f"{name} is {got!r}; the inputs give {want!r}")
+
+    def _check_authorized(self, env: Envelope, ev: ToolCallAuthorized) -> None:
+        found = self._decided_call(env, ev.call_id, ev.policy_version)
+        if found is None:
+            return
+        call, d = found
+        if call.verdict:
+            self._report(env, ev.call_id, f"authorized after the call was already decided ({call.verdict})")
+            return
+        call.verdict = "allow"
+        v = d.verdict
+        if not isinstance(v, Allow):
+            self._report(env, ev.call_id, f"the policy says {_describe(v)}, not allow")
+            return
+        tool = call.inputs.tool if call.inputs is not None else None
+        expected = {
+            "reasons": (list(v.reasons), ev.reasons),
+            "inputs_hash": (d.inputs_hash, ev.inputs_hash),
+            "args_hash": (call.state.args_hash, ev.args_hash),
+            "tool_name": (call.state.tool_name, ev.tool_name),
+            "tool_version": (tool.version if tool else None, ev.tool_version),
+            "risk_class": (tool.risk_class if tool else None, ev.risk_class),
         }
         for name, (want, got) in expected.items():
             if want != got:
@@ -231,6 +262,8 @@ class GatewayAudit:
         if call is None or call.inputs is None:
             self._report(env, ev.call_id, "an outcome for a call that was never requested and budgeted")
             return
+        if call.verdict == "allow":
+            return  # its ToolCallAuthorized was checked when it was folded
         if call.verdict == "deny" or call.verdict == "rejected":
             self._report(env, ev.call_id, "the call ran although it was denied")
         elif call.verdict == "approval":

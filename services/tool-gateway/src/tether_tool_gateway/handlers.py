@@ -19,6 +19,7 @@ from tether_contracts.records import (
     RunCompleted,
     RunRejected,
     RunTerminated,
+    ToolCallAuthorized,
     ToolCallBudgeted,
     ToolCallCompleted,
     ToolCallDeferred,
@@ -90,6 +91,10 @@ def outcome_event_id(run_id: str, idem_key: str) -> str:
 
 def approval_event_id(run_id: str, idem_key: str) -> str:
     return derived_id(run_id, PRODUCER, "approval-requested", idem_key)
+
+
+def authorized_event_id(run_id: str, idem_key: str) -> str:
+    return derived_id(run_id, PRODUCER, "authorized", idem_key)
 
 
 def deferred_event_id(run_id: str, idem_key: str, attempt: int) -> str:
@@ -248,9 +253,16 @@ def on_tool_call_budgeted(event: ToolCallBudgeted, msg: Inbound, ctx: Context, *
                  reasons=list(verdict.reasons), policy_version=decision.policy_version,
                  inputs_hash=decision.inputs_hash)
     elif isinstance(verdict, Allow):
+        tool = run.tools[call.tool_name]
+        # The go, on the record before the effect: the rules that allowed it, never the argument values.
+        _emit(ctx, deps, ToolCallAuthorized(
+            step=call.step, call_id=call.call_id, idem_key=call.idem_key, tool_name=call.tool_name,
+            tool_version=tool.version, args_hash=call.args_hash, risk_class=tool.risk_class,
+            reasons=list(verdict.reasons), policy_version=decision.policy_version, inputs_hash=decision.inputs_hash,
+        ), run_id=run_id, tenant_id=run.tenant_id, event_id=authorized_event_id(run_id, call.idem_key),
+            causation_id=msg.envelope.event_id)
         start_execution(call, run, run_id, ctx, deps, seen)
         DECISIONS.labels("allow", "").inc()
-        tool = run.tools[call.tool_name]
         # Every allowed call is logged with the evidence; WRITE and IRREVERSIBLE ones at info.
         (log.debug if tool.risk_class.value == "READ_ONLY" else log.info)(
             "tool_call_allowed", run_id=run_id, call_id=call.call_id, tool=call.tool_name,

@@ -52,6 +52,7 @@ from tether_contracts.records import (
     SubmitRun,
     ToolCallBudgeted,
     ToolCallCompleted,
+    ToolCallAuthorized,
     ToolCallDeferred,
     ToolCallDenied,
     ToolCallFailed,
@@ -574,6 +575,23 @@ def _tool_call_deferred(
     return Plan([APPEND])
 
 
+def _tool_call_authorized(
+    ledger: Ledger, ev: ToolCallAuthorized, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None
+) -> Plan:
+    # The gateway's policy let a budgeted call run without a human: the decision goes on the
+    # record before the effect's outcome. The call stays BUDGETED; its outcome finishes it.
+    call = _call(ledger, ev.step, ev.call_id, ev.idem_key)
+    _check_authorization(call, ev)
+    return Plan([APPEND])
+
+
+def _check_authorization(call: CallEntry, ev: ToolCallAuthorized) -> None:
+    if call.status is not CallStatus.BUDGETED:
+        raise ProtocolViolation("UNEXPECTED_AUTHORIZATION", f"call {call.call_id} is {call.status}")
+    if ev.tool_name != call.tool_name or ev.args_hash != hashlib.sha256(call.args_json.encode()).hexdigest():
+        raise ProtocolViolation("AUTHORIZATION_MISMATCH", f"the authorization of {call.call_id} is for another call")
+
+
 def _approval_requested(
     ledger: Ledger, ev: ApprovalRequested, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None
 ) -> Plan:
@@ -645,6 +663,7 @@ _ACTIVE: dict[type[AvroRecord], Callable[[Ledger, Any, LoopGuard, int, TenantLed
     ToolCallDenied: _tool_call_outcome,
     ToolCallOutcomeUnknown: _tool_call_outcome_unknown,
     ToolCallDeferred: _tool_call_deferred,
+    ToolCallAuthorized: _tool_call_authorized,
     ApprovalRequested: _approval_requested,
     ApprovalDecided: _approval_decided,
     RunCompleted: _run_completed,
@@ -658,8 +677,17 @@ INTAKE_TYPES = tuple(_ACTIVE)
 
 def _after_end(ledger: Ledger, record: AvroRecord) -> Plan:
     """Only facts that really happened are still appended: the outcome of a call that was
-    budgeted and still open, and the model call of the granted step (it cost money)."""
+    budgeted and still open (and the gateway's go for it, which precedes the outcome), and the
+    model call of the granted step (it cost money)."""
     ended = Plan(dropped="RUN_ENDED")
+    if isinstance(record, ToolCallAuthorized):
+        # The gateway decided before it saw the end; the call is running and its outcome follows.
+        call = ledger.calls.get(record.call_id)
+        if call is None or call.step != record.step or call.idem_key != record.idem_key \
+                or call.status is not CallStatus.BUDGETED:
+            return ended
+        _check_authorization(call, record)
+        return Plan([APPEND])
     if isinstance(record, ToolCallCompleted | ToolCallFailed | ToolCallDenied | ToolCallOutcomeUnknown):
         call = ledger.calls.get(record.call_id)
         if call is None or call.step != record.step or call.idem_key != record.idem_key or call.status not in OPEN:

@@ -27,6 +27,7 @@ from tether_contracts.records import (
     RunTerminated,
     StepGranted,
     TerminationReport,
+    ToolCallAuthorized,
     ToolCallBudgeted,
     ToolCallCompleted,
     ToolCallDenied,
@@ -463,6 +464,19 @@ def on_tool_call_budgeted(p: ToolCallBudgeted, env: Envelope, fold: RunFold) -> 
     ]
 
 
+def on_tool_call_authorized(p: ToolCallAuthorized, env: Envelope, fold: RunFold) -> list[Upsert]:
+    call = _call(fold, p.call_id, p.step, p.tool_name)
+    call.status = CallStatus.AUTHORIZED
+    # The decision's evidence goes where a denial's does: the policy version and inputs hash.
+    return [
+        _call_row(
+            fold, env, p.call_id, call.step,
+            {"tool_name": p.tool_name, "status": CallStatus.AUTHORIZED, "policy_version": p.policy_version,
+             "inputs_hash": p.inputs_hash},
+        )
+    ]
+
+
 def on_tool_call_denied(p: ToolCallDenied, env: Envelope, fold: RunFold) -> list[Upsert]:
     return _call_outcome(
         fold, env, p.call_id, p.step, p.tool_name, CallStatus.DENIED,
@@ -585,6 +599,7 @@ HANDLERS: dict[type[AvroRecord], Handler] = {
     RunTerminated: on_run_terminated,
     ToolCallRequested: on_tool_call_requested,
     ToolCallBudgeted: on_tool_call_budgeted,
+    ToolCallAuthorized: on_tool_call_authorized,
     ToolCallDenied: on_tool_call_denied,
     ToolCallCompleted: on_tool_call_completed,
     ToolCallFailed: on_tool_call_failed,

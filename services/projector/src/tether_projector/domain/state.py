@@ -27,6 +27,7 @@ class CallStatus:
 
     REQUESTED = "REQUESTED"  # proposed by the model
     BUDGETED = "BUDGETED"  # budget reserved; the gateway decides
+    AUTHORIZED = "AUTHORIZED"  # the gateway's policy allowed it without a human; it runs
     WAITING_APPROVAL = "WAITING_APPROVAL"
     APPROVED = "APPROVED"  # a human approved; the gateway executes
     DENIED = "DENIED"  # the gateway refused, or the approval was rejected/expired

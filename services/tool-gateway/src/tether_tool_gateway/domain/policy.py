@@ -41,6 +41,15 @@ POLICY = "POLICY"
 RISK_CLASS = "RISK_CLASS"
 TAINTED_EGRESS = "TAINTED_EGRESS"
 
+# The rules that let a call run without a human (ToolCallAuthorized.reasons), in checking order.
+GRANTED = "GRANTED"  # tool ∈ tenant grants ∩ agent allowlist
+IN_DELEGATED_SCOPE = "IN_DELEGATED_SCOPE"  # the run is delegated and its scope holds the tool
+ARGS_VALID = "ARGS_VALID"  # args_hash matches and the arguments validate against the tool's schema
+CONSTRAINTS_MET = "CONSTRAINTS_MET"  # the tool has argument constraints and the arguments keep them
+RISK_CLASS_NEEDS_NO_APPROVAL = "RISK_CLASS_NEEDS_NO_APPROVAL"  # no level requires a human for the class
+RISK_CLASS_WAIVED = "RISK_CLASS_WAIVED"  # a level requires one for the class, and a level waives the tool
+EGRESS_UNTAINTED = "EGRESS_UNTAINTED"  # the tool has egress and the run has read no untrusted content
+
 
 # -- inputs ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -156,7 +165,12 @@ class RateDecisionInputs:
 # -- verdicts ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Allow:
-    """Execute the call (after the rate limiter, if the policy limits the tool)."""
+    """Execute the call (after the rate limiter, if the policy limits the tool).
+
+    `reasons` (a call decision only) are the rules that let it run, recorded in ToolCallAuthorized.
+    """
+
+    reasons: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -318,7 +332,7 @@ class BasicPolicy:
             return Deny("INVALID_ARGS", problem)
         if i.tool.risk_class in self.approval_risk_classes:
             return RequireApproval((RISK_CLASS,), i.recorded_at_ms + self.approval_ttl_ms)
-        return Allow()
+        return Allow((GRANTED, ARGS_VALID, RISK_CLASS_NEEDS_NO_APPROVAL))
 
     def decide_approval(self, inputs: ApprovalDecisionInputs) -> Decision:
         return Decision(_approval_verdict(inputs), self.version, inputs_hash(self.version, inputs.canonical()))
@@ -387,7 +401,16 @@ class TrustPolicy:
             reasons.append(TAINTED_EGRESS)
         if reasons:
             return RequireApproval(tuple(reasons), i.recorded_at_ms + self.loaded.document.approval_ttl_ms)
-        return Allow()
+        allowed = [GRANTED]
+        if i.delegated_scope is not None:
+            allowed.append(IN_DELEGATED_SCOPE)
+        allowed.append(ARGS_VALID)
+        if constraints.rules:
+            allowed.append(CONSTRAINTS_MET)
+        allowed.append(RISK_CLASS_WAIVED if tool.risk_class in need.risk_classes else RISK_CLASS_NEEDS_NO_APPROVAL)
+        if tool.egress:
+            allowed.append(EGRESS_UNTAINTED)
+        return Allow(tuple(allowed))
 
     def decide_approval(self, inputs: ApprovalDecisionInputs) -> Decision:
         return Decision(_approval_verdict(inputs), self.version, inputs_hash(self.version, inputs.canonical()))
