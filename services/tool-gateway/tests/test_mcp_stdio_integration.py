@@ -11,13 +11,14 @@ import json
 import os
 import uuid
 
+import anyio
 import pytest
 import structlog
 
 from tether_contracts.records import RiskClass, ToolSpec
 from tether_messaging.blobstore import PostgresBlobStore
 from tether_security import Redactor, SecretRegistry, StaticSecretProvider
-from tether_security.sandbox import SandboxRunner
+from tether_security.sandbox import SandboxLimits, SandboxRunner
 from tether_tool_gateway.domain.canonical import canonical_json, idem_key_for, sha256_hex
 from tether_tool_gateway.execution import Completed, Failed, ToolRunner, tool_spec_json
 from tether_tool_gateway.executors.mcp_stdio import (
@@ -25,7 +26,9 @@ from tether_tool_gateway.executors.mcp_stdio import (
     StdioServer,
     list_mcp_stdio_tools,
     tool_specs_from_mcp_stdio,
+    with_sandboxed_server,
 )
+from tether_tool_gateway.executors.mcp_tool import McpTool, declared_tools
 from tether_tool_gateway.ledger import Intent, Owner
 from tether_tool_gateway.ledger.postgres import PostgresLedger
 from tether_tool_gateway.mcp_testing import StdioDemoUnavailable, shared_stdio_demo
@@ -96,9 +99,7 @@ def stdio_tool(server: StdioServer, remote: str, *, timeout_ms: int = 20_000, **
     return spec.model_copy(update={"executor_config_json": json.dumps(merged)})
 
 
-def _declared(remote: str):
-    from tether_tool_gateway.executors.mcp_tool import McpTool
-
+def _declared(remote: str) -> McpTool:
     return McpTool(remote, f"the demo's {remote}", {"type": "object"})
 
 
@@ -201,3 +202,18 @@ def test_a_config_the_registry_would_refuse_is_not_run(env, demo):
     outcome = env.run(stdio_tool(demo, "add", allow_hosts=["api.example"]), {"a": 1, "b": 2})
     assert isinstance(outcome, Failed) and outcome.error_code == "EXECUTOR_UNAVAILABLE", outcome
     assert "no network" in outcome.detail
+
+
+def test_a_cancelled_session_leaves_no_sandbox_behind(sandbox):
+    # A "server" that reads but never answers: the session waits on its first request until cancelled.
+    marker = f"mute-{uuid.uuid4().hex[:12]}"
+    mute = StdioServer(command=("/bin/sh", "-c", "cat >/dev/null; true", marker))
+
+    async def session_cancelled_by_its_caller() -> bool:
+        with anyio.move_on_after(1.0) as scope:
+            await with_sandboxed_server(sandbox, mute, {}, limits=SandboxLimits(wall_seconds=60),
+                                        max_message_bytes=1024, timeout_s=60, what="tools/list", use=declared_tools)
+        return scope.cancelled_caught
+
+    assert anyio.run(session_cancelled_by_its_caller)
+    assert processes_with(marker) == []
