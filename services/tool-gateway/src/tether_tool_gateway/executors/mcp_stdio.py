@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -29,11 +30,11 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 import mcp_types
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from mcp import Client
-from mcp_types import CallToolResult
 from mcp.shared.message import SessionMessage
+from mcp_types import CallToolResult
 
 from tether_contracts.records import RiskClass, ToolSpec
 from tether_security.sandbox import (
@@ -216,6 +217,13 @@ def _stderr(end: SandboxExit | None) -> str:
     return "; stderr: " + (text if len(text) <= _STDERR_SHOWN else "…" + text[-_STDERR_SHOWN:])
 
 
+def _signal_name(number: int | None) -> str:
+    try:
+        return f"killed by {signal.Signals(number).name}"  # e.g. SIGXCPU: the CPU limit; SIGSEGV: a crash
+    except (TypeError, ValueError):
+        return f"signal {number}"
+
+
 def _session_error(exc: BaseException, channel: SandboxedStdio, end: SandboxExit | None, what: str) -> ToolError:
     """Name what ended the session: the transport's finding first, then how the process ended."""
     if channel.problem is not None:
@@ -226,7 +234,7 @@ def _session_error(exc: BaseException, channel: SandboxedStdio, end: SandboxExit
         return ToolError("TIMEOUT", f"the MCP server did not answer {what} in time (the sandbox's wall clock)",
                          retryable=True)
     if end is not None and not end.killed:
-        how = f"exit code {end.exit_code}" if end.exit_code is not None else f"signal {end.killed_by_signal}"
+        how = f"exit code {end.exit_code}" if end.exit_code is not None else _signal_name(end.killed_by_signal)
         exc = ServerExited(f"the MCP server exited ({how}) before answering{_stderr(end)}")
     return transport_error(exc, what)
 
