@@ -46,7 +46,8 @@ def test_audit_verify_passes_on_a_real_log_and_finds_tampering(tether_system, ru
     assert verify_log(log).ok
     kinds = [type(open_payload(e)).__name__ for e in log]
     # Every gateway decision is on the record: the allowed calls' ToolCallAuthorized too (re-derived above).
-    assert {"ApprovalRequested", "ApprovalDecided", "ToolCallBudgeted", "ToolCallAuthorized", "StepGranted"} <= set(kinds)
+    assert {"ApprovalRequested", "ApprovalDecided", "ToolCallBudgeted", "ToolCallAuthorized",
+            "StepGranted"} <= set(kinds)
 
     # A budget decision changed and the chain recomputed after it: the chain holds, the decision does not follow.
     i = next(i for i, e in enumerate(log) if e.event_type == ToolCallBudgeted.AVRO_NAME)
