@@ -14,6 +14,7 @@ from tether_tool_gateway.domain.state import CallStatus, RunState
 from tether_tool_gateway.handlers import (
     HANDLERS,
     Deps,
+    StartedCalls,
     call_work_key,
     on_call_work_done,
     on_sweep_done,
@@ -48,7 +49,7 @@ class GatewayProcessor:
         self._next_sweep_ms = 0
         # Work keys this process started for calls not yet resolved. A call EXECUTING in the
         # state but absent here was started by a previous owner: on_tick starts it again at once.
-        self._seen: set[str] = set()
+        self._seen = StartedCalls()
 
     def handle(self, msg: Inbound, ctx: Context) -> None:
         handler = HANDLERS.get(type(msg.payload))
@@ -76,7 +77,9 @@ class GatewayProcessor:
         sweep_due = now >= self._next_sweep_ms
         if sweep_due:
             self._next_sweep_ms = now + self._sweep_interval_ms
-        for partition in ctx.owned_partitions():
+        owned = ctx.owned_partitions()
+        self._seen.keep_only(owned)  # calls of partitions that moved away are no longer ours
+        for partition in owned:
             pctx = ctx.for_partition(partition)
             self._restart_stalled(pctx, ctx.runs_due(partition), now)
             if sweep_due:

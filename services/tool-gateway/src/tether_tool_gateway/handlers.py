@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -113,6 +113,39 @@ def sweep_work_key(partition: int) -> str:
     return f"sweep:{partition}"
 
 
+class StartedCalls:
+    """The work keys of calls this process started and that are not resolved yet, each with its
+    partition. A call EXECUTING in the state but absent here was started by an earlier owner (or
+    before this process lost and got back its partition, which drops the loop's work): the tick
+    starts it again at once instead of waiting for its recheck time.
+
+    Bounded by the calls in flight on the partitions this process owns: a resolved call or an
+    ended run removes its keys, and `keep_only` forgets the keys of partitions that moved to
+    another instance (their runs end there, so nothing here would ever remove them).
+    """
+
+    def __init__(self) -> None:
+        self._partition_of: dict[str, int] = {}
+
+    def add(self, key: str, partition: int) -> None:
+        self._partition_of[key] = partition
+
+    def discard(self, key: str) -> None:
+        self._partition_of.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._partition_of
+
+    def __len__(self) -> int:
+        return len(self._partition_of)
+
+    def keep_only(self, partitions: Iterable[int]) -> None:
+        """Forget the calls of every partition not in `partitions` (the ones this process owns)."""
+        owned = set(partitions)
+        for key in [k for k, p in self._partition_of.items() if p not in owned]:
+            del self._partition_of[key]
+
+
 # -- helpers -------------------------------------------------------------------------------------
 def _state(ctx: Context, run_id: str) -> RunState | None:
     state = ctx.get_state(run_id)
@@ -163,7 +196,7 @@ def _deny(call: CallState, decision: Decision, verdict: Deny, run_id: str, tenan
 
 
 def start_execution(call: CallState, run: RunState, run_id: str, ctx: Context, deps: Deps,
-                    seen: set[str] | None = None) -> None:
+                    seen: StartedCalls | None = None) -> None:
     """Mark the call EXECUTING and start its work (idempotent: a running key is not started twice)."""
     tool = run.tools[call.tool_name]
     intent = Intent(idem_key=call.idem_key, run_id=run_id, tenant_id=run.tenant_id, partition=ctx.partition,
@@ -173,7 +206,7 @@ def start_execution(call: CallState, run: RunState, run_id: str, ctx: Context, d
     call.recheck_at_ms = ctx.now_ms + deps.stall_ms
     key = call_work_key(call.idem_key)
     if seen is not None:
-        seen.add(key)
+        seen.add(key, ctx.partition)
     # The rate limit is checked when the call is about to run (after any approval), not when
     # it was decided: a human may take days, and the limiter answers for "now".
     limit = deps.policy.rate_limit_for(run.tenant_id, call.tool_name)
@@ -182,7 +215,7 @@ def start_execution(call: CallState, run: RunState, run_id: str, ctx: Context, d
 
 
 # -- event handlers (message first, dependencies named) ------------------------------------------
-def on_run_accepted(event: RunAccepted, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
+def on_run_accepted(event: RunAccepted, msg: Inbound, ctx: Context, *, deps: Deps, seen: StartedCalls) -> None:
     run_id = msg.envelope.run_id
     if ctx.get_state(run_id) is not None:
         return  # replayed
@@ -199,7 +232,7 @@ def on_run_accepted(event: RunAccepted, msg: Inbound, ctx: Context, *, deps: Dep
     ctx.put_state(run_id, run)
 
 
-def on_tool_call_requested(event: ToolCallRequested, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
+def on_tool_call_requested(event: ToolCallRequested, msg: Inbound, ctx: Context, *, deps: Deps, seen: StartedCalls) -> None:
     run_id = msg.envelope.run_id
     run = _state(ctx, run_id)
     if run is None:
@@ -215,7 +248,7 @@ def on_tool_call_requested(event: ToolCallRequested, msg: Inbound, ctx: Context,
     ctx.put_state(run_id, run)
 
 
-def on_tool_call_budgeted(event: ToolCallBudgeted, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
+def on_tool_call_budgeted(event: ToolCallBudgeted, msg: Inbound, ctx: Context, *, deps: Deps, seen: StartedCalls) -> None:
     run_id = msg.envelope.run_id
     run = _state(ctx, run_id)
     if run is None:
@@ -300,7 +333,7 @@ def call_provenance(run: RunState, call: CallState) -> str:
     return canonical_json(shown)
 
 
-def on_approval_decided(event: ApprovalDecided, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
+def on_approval_decided(event: ApprovalDecided, msg: Inbound, ctx: Context, *, deps: Deps, seen: StartedCalls) -> None:
     run_id = msg.envelope.run_id
     run = _state(ctx, run_id)
     if run is None:
@@ -332,7 +365,7 @@ def on_approval_decided(event: ApprovalDecided, msg: Inbound, ctx: Context, *, d
     ctx.put_state(run_id, run)
 
 
-def on_approval_requested(event: ApprovalRequested, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
+def on_approval_requested(event: ApprovalRequested, msg: Inbound, ctx: Context, *, deps: Deps, seen: StartedCalls) -> None:
     # Our own decision, sequenced. Matters only when the state is rebuilt from the log.
     run_id = msg.envelope.run_id
     run = _state(ctx, run_id)
@@ -345,7 +378,7 @@ def on_approval_requested(event: ApprovalRequested, msg: Inbound, ctx: Context, 
     ctx.put_state(run_id, run)
 
 
-def on_call_outcome(event: ToolCallCompleted | ToolCallFailed | ToolCallDenied | ToolCallOutcomeUnknown, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
+def on_call_outcome(event: ToolCallCompleted | ToolCallFailed | ToolCallDenied | ToolCallOutcomeUnknown, msg: Inbound, ctx: Context, *, deps: Deps, seen: StartedCalls) -> None:
     """A terminal outcome of a call reached the log: the call needs nothing more from us, and
     what the model will read from it is folded into the run (taint, provenance sources)."""
     run_id = msg.envelope.run_id
@@ -376,7 +409,7 @@ def read_outcome(run: RunState, event: AvroRecord) -> bool:
     return (len(run.tainted_by), len(run.sources)) != before
 
 
-def on_call_deferred(event: ToolCallDeferred, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
+def on_call_deferred(event: ToolCallDeferred, msg: Inbound, ctx: Context, *, deps: Deps, seen: StartedCalls) -> None:
     # Our own rate-limit decision, sequenced: keeps attempt numbers unique when state is rebuilt.
     run_id = msg.envelope.run_id
     run = _state(ctx, run_id)
@@ -387,7 +420,7 @@ def on_call_deferred(event: ToolCallDeferred, msg: Inbound, ctx: Context, *, dep
     ctx.put_state(run_id, run)
 
 
-def on_run_ended(event: AvroRecord, msg: Inbound, ctx: Context, *, deps: Deps, seen: set[str]) -> None:
+def on_run_ended(event: AvroRecord, msg: Inbound, ctx: Context, *, deps: Deps, seen: StartedCalls) -> None:
     """Nothing new runs after the run ends; executions already running still report (audit)."""
     run_id = msg.envelope.run_id
     run = ctx.get_state(run_id)
@@ -400,7 +433,7 @@ def on_run_ended(event: AvroRecord, msg: Inbound, ctx: Context, *, deps: Deps, s
 
 # -- work handlers -------------------------------------------------------------------------------
 def on_call_work_done(outcome: Outcome | None, error: BaseException | None, ctx: Context, *, deps: Deps,
-                      run_id: str, idem_key: str, seen: set[str]) -> None:
+                      run_id: str, idem_key: str, seen: StartedCalls) -> None:
     """An execution (or a look at the ledger) finished: emit its outcome, or look again later."""
     run = _state(ctx, run_id)
     call = None if run is None else next((c for c in run.calls.values() if c.idem_key == idem_key), None)
