@@ -88,6 +88,9 @@ class BenchSettings(BaseSettings):
                             "includes tracemalloc's own memory, so the RSS slope is not meaningful).")
     phases: str = Field("light,throughput,latency,peer,recovery,park", description="Which phases to run.")
     profile: bool = Field(False, description="py-spy record the six services during the throughput phase.")
+    start_at: float = Field(0.0, description="Wall-clock time (Unix seconds) to begin the first phase at, once "
+                            "the system is up: two benches on one machine then measure side by side, "
+                            "under the same load (0 = at once).")
 
 
 def _py_spy() -> str | None:
@@ -464,6 +467,10 @@ class Bench:
         began = time.monotonic()
         self.start()
         try:
+            if self.s.start_at > time.time():
+                print(f"bench: waiting {self.s.start_at - time.time():.0f}s for TETHER_BENCH_START_AT",
+                      file=sys.stderr, flush=True)
+                time.sleep(self.s.start_at - time.time())
             phases = [p.strip() for p in self.s.phases.split(",") if p.strip()]
             for phase in phases:
                 t0 = time.monotonic()
