@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tether_budget.domain.ledger import RunStatus
+from tether_budget.domain.ledger import Ledger, RunStatus
 from tether_budget.domain.tenancy import TenantLedger
 from tether_contracts.records import (
     RunAccepted,
@@ -27,6 +27,15 @@ def cap(concurrent: int, queued: int = 0, **more: int) -> TenantLimits:
     return TenantLimits(max_concurrent_runs=concurrent, max_queued_runs=queued, **more)
 
 
+def slots(harness, tenant_id: str = "t1") -> list[str]:
+    """The runs holding one of the tenant's slots, as their ledgers say (in submission order);
+    the tenant ledger counts as many."""
+    holders = [run_id for run_id, state in harness.driver.states.items()
+               if isinstance(state, Ledger) and state.tenant_id == tenant_id and state.holds_tenant_slot]
+    assert harness.tenant(tenant_id).running == len(holders)
+    return holders
+
+
 # -- concurrency and the queue ---------------------------------------------------------------
 
 
@@ -45,14 +54,14 @@ def test_runs_beyond_the_cap_wait_in_order_and_beyond_the_queue_are_refused(harn
     [rejected] = harness.log_payloads("r6")
     assert isinstance(rejected, RunRejected) and rejected.reason_code == "TENANT_QUEUE_FULL"
     assert harness.ledger("r3").status is RunStatus.QUEUED
-    assert harness.tenant().running == ["r1", "r2"] and harness.tenant().queue == ["r3", "r4", "r5"]
+    assert slots(harness) == ["r1", "r2"] and harness.tenant().queue == ["r3", "r4", "r5"]
 
     # r2 ends: the first in line (r3) is accepted and granted, in the same transaction.
     harness.model(1, 0, "r2")
     harness.complete("r2")
     assert types(harness.log_payloads("r3")) == ["RunQueued", "RunAccepted", "StepGranted"]
     assert types(harness.log_payloads("r4")) == ["RunQueued"]
-    assert harness.tenant().running == ["r1", "r3"] and harness.tenant().queue == ["r4", "r5"]
+    assert slots(harness) == ["r1", "r3"] and harness.tenant().queue == ["r4", "r5"]
 
     # A queued run is cancelled: it leaves the queue, and the next slot goes to the one behind it.
     out = harness.cancel("r4")
@@ -64,7 +73,7 @@ def test_runs_beyond_the_cap_wait_in_order_and_beyond_the_queue_are_refused(harn
     harness.cancel("r1")
     assert types(harness.log_payloads("r5")) == ["RunQueued", "RunAccepted", "StepGranted"]
     assert types(harness.log_payloads("r4")) == ["RunQueued", "RunTerminated"]
-    assert harness.tenant().running == ["r3", "r5"] and harness.tenant().queue == []
+    assert slots(harness) == ["r3", "r5"] and harness.tenant().queue == []
     assert harness.metric("tether_budget_runs_queued_total") == 3
 
 
@@ -87,7 +96,7 @@ def test_without_a_queue_the_cap_refuses_at_once(harness):
     harness.submit("r1", limits=cap(1))
     [rejected] = harness.submit("r2", limits=cap(1))
     assert isinstance(rejected, RunRejected) and rejected.reason_code == "TENANT_CONCURRENCY_CAP"
-    assert harness.tenant().running == ["r1"]
+    assert slots(harness) == ["r1"]
 
 
 def test_tenants_and_runs_without_limits_do_not_share_slots(harness):
@@ -96,8 +105,8 @@ def test_tenants_and_runs_without_limits_do_not_share_slots(harness):
     [accepted, granted] = harness.submit("b1", tenant="tb", limits=cap(1, 5))
     assert isinstance(accepted, RunAccepted) and isinstance(granted, StepGranted)
     assert types(harness.submit("u1", tenant="ta")) == ["RunAccepted", "StepGranted"]  # no limits: not counted
-    assert harness.tenant("ta").running == ["a1"] and harness.tenant("ta").queue == ["a2"]
-    assert harness.tenant("tb").running == ["b1"]
+    assert slots(harness, "ta") == ["a1"] and harness.tenant("ta").queue == ["a2"]
+    assert slots(harness, "tb") == ["b1"]
 
 
 def test_raising_the_cap_admits_waiting_runs_at_the_next_submit(harness):
@@ -106,7 +115,7 @@ def test_raising_the_cap_admits_waiting_runs_at_the_next_submit(harness):
     harness.submit("r3", limits=cap(3, 5))
     assert types(harness.log_payloads("r2")) == ["RunQueued", "RunAccepted", "StepGranted"]
     assert types(harness.log_payloads("r3")) == ["RunQueued", "RunAccepted", "StepGranted"]
-    assert harness.tenant().running == ["r1", "r2", "r3"]
+    assert slots(harness) == ["r1", "r2", "r3"]
 
 
 def test_a_queued_run_gets_no_intake_and_no_timer(harness):
@@ -171,7 +180,7 @@ def test_a_queued_run_admitted_after_the_tenant_ran_out_of_money_is_rejected_and
     harness.complete("r1")
     assert types(harness.log_payloads("r2")) == ["RunQueued", "RunRejected"]
     assert types(harness.log_payloads("r3")) == ["RunQueued", "RunRejected"]
-    assert harness.tenant().running == [] and harness.tenant().queue == []
+    assert slots(harness) == [] and harness.tenant().queue == []
 
 
 # -- token rate ------------------------------------------------------------------------------
@@ -222,7 +231,7 @@ def test_a_deferred_run_that_is_cancelled_leaves_the_line(harness):
     assert harness.tenant().deferred == ["r1"]
     out = harness.cancel("r1")
     assert out[0].reason_code == "CANCELLED" and any("token rate" in p for p in out[0].report.pending)
-    assert harness.tenant().deferred == [] and harness.tenant().running == []
+    assert harness.tenant().deferred == [] and slots(harness) == []
 
 
 def test_a_grant_reservation_the_model_call_never_used_is_given_back(harness):
@@ -235,12 +244,38 @@ def test_a_grant_reservation_the_model_call_never_used_is_given_back(harness):
 
 
 def test_tenant_ledger_clone_leaves_the_committed_one_untouched():
-    committed = TenantLedger(tenant_id="t", limits=cap(1, 3), running=["a"], queue=["b", "c"])
+    committed = TenantLedger(tenant_id="t", limits=cap(1, 3), running=1, queue=["b", "c"])
     work = committed.clone()
     assert work.next_queued() is None  # no slot
-    work.release("a")
+    work.release("a", held_slot=True)
     assert work.next_queued() == "b" and work.touched
-    assert committed.running == ["a"] and committed.queue == ["b", "c"] and not committed.touched
+    assert committed.running == 1 and committed.queue == ["b", "c"] and not committed.touched
+
+
+def test_parked_runs_do_not_grow_the_tenant_ledger(harness):
+    # Every admitted run holds a slot until it ends, parked on a human for days or not: the
+    # tenant ledger counts them (the runs' ledgers say which), so its size, held in memory and
+    # written to the changelog with every change, does not grow with them.
+    limits = cap(10_000, 10)
+    sizes = []
+    for i in range(1, 41):
+        harness.submit(f"r{i}", limits=limits)
+        if i in (10, 40):  # the same number of digits in the count
+            sizes.append(len(harness.tenant().model_dump_json()))
+    assert harness.tenant().running == 40 and sizes[0] == sizes[1]
+
+
+def test_ledgers_written_before_running_became_a_count_read_as_they_meant():
+    old_tenant = '{"kind":"tenant","tenant_id":"t","running":["a","b"],"queue":["c"],"deferred":[]}'
+    assert TenantLedger.model_validate_json(old_tenant).running == 2
+    old_run = {"run_id": "a", "tenant_id": "t", "principal_id": "p", "request_id": "q", "partition": 0,
+               "submit_event_id": "e", "tenant_tracked": True}
+    assert Ledger.model_validate(old_run).holds_tenant_slot  # active, tracked: it was in `running`
+    for status in ("QUEUED", "COMPLETED"):
+        assert not Ledger.model_validate({**old_run, "status": status}).holds_tenant_slot
+    assert not Ledger.model_validate({**old_run, "tenant_tracked": False}).holds_tenant_slot
+    fresh = Ledger.model_validate_json(Ledger.model_validate(old_run).model_dump_json())
+    assert fresh.holds_tenant_slot
 
 
 def test_a_tenant_without_limits_gets_no_ledger(harness):
@@ -257,5 +292,5 @@ def test_lifting_the_limits_lets_the_queue_go_and_stops_tracking_new_runs(harnes
     assert types(out)[:2] == ["RunAccepted", "StepGranted"]
     assert types(harness.log_payloads("r2")) == ["RunQueued", "RunAccepted", "StepGranted"]
     assert types(harness.log_payloads("r3")) == ["RunQueued", "RunAccepted", "StepGranted"]
-    assert harness.tenant().running == ["r1", "r2", "r3"] and harness.tenant().queue == []
+    assert slots(harness) == ["r1", "r2", "r3"] and harness.tenant().queue == []
     assert not harness.ledger("r4").tenant_tracked

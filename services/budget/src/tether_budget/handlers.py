@@ -109,7 +109,8 @@ def _release_if_ended(ledger: Ledger, was_open: bool, tenant: TenantLedger | Non
     """A run that held a place in its tenant's ledger ended: free it. True if a slot may be free."""
     if tenant is None or not was_open or ledger.open:
         return False
-    tenant.release(ledger.run_id, reserved_tokens=ledger.rate_reserved)
+    tenant.release(ledger.run_id, held_slot=ledger.holds_tenant_slot, reserved_tokens=ledger.rate_reserved)
+    ledger.holds_tenant_slot = False
     ledger.rate_reserved = 0
     return True
 

@@ -198,15 +198,15 @@ def admit(
     if over is not None:
         return ledger, _reject(ledger, submit, Reason.TENANT_SPEND_CAP, over, now_ms)
     if tenant.has_free_slot() and not tenant.queue:
-        tenant.start(ledger.run_id)
+        _take_slot(ledger, tenant)
         return ledger, _accept(ledger, submit, now_ms, tenant)
     limits = tenant.limits
     if tenant.queue_full():
         if limits.max_queued_runs <= 0:
-            detail = f"tenant {tenant_id} runs {len(tenant.running)} of {limits.max_concurrent_runs} at once here"
+            detail = f"tenant {tenant_id} runs {tenant.running} of {limits.max_concurrent_runs} at once here"
             return ledger, _reject(ledger, submit, Reason.TENANT_CONCURRENCY_CAP, detail, now_ms)
         detail = (f"tenant {tenant_id} has {len(tenant.queue)} runs queued (the most allowed here) and "
-                  f"{len(tenant.running)} of {limits.max_concurrent_runs} running")
+                  f"{tenant.running} of {limits.max_concurrent_runs} running")
         return ledger, _reject(ledger, submit, Reason.TENANT_QUEUE_FULL, detail, now_ms)
     position = tenant.enqueue(ledger.run_id)
     ledger.status = RunStatus.QUEUED
@@ -218,7 +218,7 @@ def admit(
         goal=submit.goal,
         agent=submit.agent,
         position=position,
-        running=len(tenant.running),
+        running=tenant.running,
         max_concurrent_runs=limits.max_concurrent_runs,
     )
     return ledger, Plan([Decide(queued, ("RunQueued",))])
@@ -235,8 +235,14 @@ def admit_queued(ledger: Ledger, tenant: TenantLedger, *, now_ms: int) -> Plan:
     if over is not None:
         return _reject(ledger, submit, Reason.TENANT_SPEND_CAP, over, now_ms)
     ledger.status = RunStatus.ACTIVE
-    tenant.start(ledger.run_id)
+    _take_slot(ledger, tenant)
     return _accept(ledger, submit, now_ms, tenant)
+
+
+def _take_slot(ledger: Ledger, tenant: TenantLedger) -> None:
+    """The run takes one of its tenant's concurrency slots until it ends (handlers release it)."""
+    tenant.take_slot()
+    ledger.holds_tenant_slot = True
 
 
 def _reject(ledger: Ledger, submit: SubmitRun, reason: Reason, detail: str, now_ms: int) -> Plan:

@@ -14,7 +14,7 @@ import copy
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tether_budget.domain.loopguard import LoopGuardState
 from tether_contracts.records import Caps, Usage
@@ -144,6 +144,9 @@ class Ledger(BaseModel):
 
     # -- tenancy (domain/tenancy.py) --------------------------------------------------------
     tenant_tracked: bool = Field(False, description="The submit carried tenant limits: the run holds a tenant slot.")
+    holds_tenant_slot: bool = Field(
+        False, description="Admitted under tenant limits and not ended: one of the tenant ledger's `running` slots."
+    )
     queued_at_ms: int | None = None
     queued_submit: dict[str, Any] | None = Field(
         None, description="The SubmitRun datum of a queued run, to accept it when a slot frees."
@@ -154,6 +157,16 @@ class Ledger(BaseModel):
     ended_at_ms: int | None = None
     end_reason: str | None = None
     tombstoned: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _slot_of_listed_run(cls, data: Any) -> Any:
+        # Written before the flag existed: then an open, admitted, tracked run was listed in its
+        # tenant ledger's `running` (now a count of them), so it holds a slot.
+        if isinstance(data, dict) and "holds_tenant_slot" not in data:
+            data = {**data, "holds_tenant_slot": bool(data.get("tenant_tracked"))
+                    and data.get("status", RunStatus.ACTIVE) == RunStatus.ACTIVE}
+        return data
 
     # -- copies -----------------------------------------------------------------------------
     def clone(self) -> Ledger:

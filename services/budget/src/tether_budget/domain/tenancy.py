@@ -13,9 +13,9 @@ Everything here is pure: decisions read the ledger and the recorded clock value 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, PrivateAttr
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from tether_contracts.records import TenantLimits
 
@@ -46,7 +46,9 @@ class TenantLedger(BaseModel):
     kind: Literal["tenant"] = Field("tenant", description="Tells the changelog codec this is not a run ledger.")
     tenant_id: str
     limits: TenantLimits = Field(default_factory=TenantLimits)
-    running: list[str] = Field(default_factory=list, description="Runs admitted and not ended, in admission order.")
+    running: int = Field(0, ge=0, description="Runs admitted and not ended: the slots in use. A count, not their ids "
+                         "(each run's own ledger says whether it holds a slot), so a tenant's many parked runs do not "
+                         "grow this ledger.")
     queue: list[str] = Field(default_factory=list, description="Runs waiting for a slot, first in line first.")
     deferred: list[str] = Field(default_factory=list, description="Runs whose next grant waits for the token rate.")
     spend_window_start_ms: int = 0
@@ -57,12 +59,19 @@ class TenantLedger(BaseModel):
 
     _touched: bool = PrivateAttr(False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _count_listed_runs(cls, data: Any) -> Any:
+        # Changelog records written before `running` became a count listed the runs' ids.
+        if isinstance(data, dict) and isinstance(data.get("running"), list):
+            data = {**data, "running": len(data["running"])}
+        return data
+
     # -- bookkeeping ------------------------------------------------------------------------
     def clone(self) -> TenantLedger:
         """A working copy. Containers are copied (not their immutable items), so this stays cheap
         with thousands of queued runs; the loop keeps the committed object for undo."""
-        copy = self.model_copy(update={"running": list(self.running), "queue": list(self.queue),
-                                       "deferred": list(self.deferred)})
+        copy = self.model_copy(update={"queue": list(self.queue), "deferred": list(self.deferred)})
         copy._touched = False
         return copy
 
@@ -83,16 +92,15 @@ class TenantLedger(BaseModel):
     # -- concurrency and queue ----------------------------------------------------------------
     def has_free_slot(self) -> bool:
         cap = self.limits.max_concurrent_runs
-        return cap <= 0 or len(self.running) < cap
+        return cap <= 0 or self.running < cap
 
     def queue_full(self) -> bool:
         return len(self.queue) >= max(0, self.limits.max_queued_runs)
 
-    def start(self, run_id: str) -> None:
-        """The run was admitted: it holds a slot until it ends."""
-        if run_id not in self.running:
-            self.running.append(run_id)
-            self.touch()
+    def take_slot(self) -> None:
+        """A run was admitted: it holds a slot until it ends (its ledger records that it does)."""
+        self.running += 1
+        self.touch()
 
     def enqueue(self, run_id: str) -> int:
         """Put the run at the back of the queue; returns its position (1 = next)."""
@@ -108,10 +116,13 @@ class TenantLedger(BaseModel):
         self.touch()
         return self.queue.pop(0)
 
-    def release(self, run_id: str, *, reserved_tokens: int = 0) -> None:
-        """The run ended (or was cancelled while queued): free its slot, place and deferral, and
-        give back a token reservation its granted step never used."""
-        for line in (self.running, self.queue, self.deferred):
+    def release(self, run_id: str, *, held_slot: bool, reserved_tokens: int = 0) -> None:
+        """The run ended (or was cancelled while queued): free its slot (if its ledger says it held
+        one), its place and deferral, and give back a token reservation its granted step never used."""
+        if held_slot and self.running > 0:
+            self.running -= 1
+            self.touch()
+        for line in (self.queue, self.deferred):
             if run_id in line:
                 line.remove(run_id)
                 self.touch()
