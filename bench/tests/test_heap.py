@@ -45,3 +45,19 @@ def test_heap_growth_names_the_allocation_site_per_run(tmp_path) -> None:
     inner, caller = growth["top_sites"][0]["site"].split(" <- ")[:2]
     assert inner == top["site"] and "test_heap.py" in caller
     assert growth["traced_bytes_per_run"] >= 4_000
+
+
+def test_c_heap_growth_takes_tracemalloc_out_and_needs_both_sides(tmp_path) -> None:
+    import json
+
+    from tether_bench.heap import c_heap_growth
+
+    low, high = tmp_path / "a.tracemalloc", tmp_path / "b.tracemalloc"
+    low.with_suffix(".malloc.json").write_text(json.dumps(
+        {"malloc": {"in_use": 10_000, "free": 5_000, "mmapped": 0}, "tracemalloc_overhead": 1_000}))
+    high.with_suffix(".malloc.json").write_text(json.dumps(
+        {"malloc": {"in_use": 70_000, "free": 45_000, "mmapped": 0}, "tracemalloc_overhead": 21_000}))
+    assert c_heap_growth(low, high, 20) == {"c_in_use_bytes_per_run": 2_000, "c_free_bytes_per_run": 2_000}
+    high.with_suffix(".malloc.json").write_text(json.dumps({"malloc": None, "tracemalloc_overhead": 0}))
+    assert c_heap_growth(low, high, 20) is None
+    assert c_heap_growth(low, tmp_path / "missing.tracemalloc", 20) is None

@@ -12,6 +12,7 @@ by allocation site (the line, and the path to it, innermost frame first), per pa
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -69,6 +70,22 @@ def _site(traceback: tracemalloc.Traceback, frames: int) -> str:
     return " <- ".join(shown)
 
 
+def c_heap_growth(low: Path, high: Path, runs: int) -> dict[str, int] | None:
+    """Per run, from the `.malloc.json` beside two snapshots: what the C allocator holds in use
+    (tracemalloc's own tables taken out) and keeps free (RSS no object holds: fragmentation,
+    buffers given back); None without glibc's numbers."""
+    try:
+        a, b = (json.loads(p.with_suffix(".malloc.json").read_text()) for p in (low, high))
+    except (OSError, ValueError):
+        return None
+    if a.get("malloc") is None or b.get("malloc") is None:
+        return None
+    per = max(runs, 1)
+    in_use = (b["malloc"]["in_use"] - b["tracemalloc_overhead"]) - (a["malloc"]["in_use"] - a["tracemalloc_overhead"])
+    return {"c_in_use_bytes_per_run": round(in_use / per),
+            "c_free_bytes_per_run": round((b["malloc"]["free"] - a["malloc"]["free"]) / per)}
+
+
 def heap_growth(low: Path, high: Path, runs: int, *, top: int = 12, frames: int = 6) -> dict[str, Any]:
     """The traced heap's growth from snapshot `low` to `high`, per run (`runs` parked in between):
     the total and the `top` allocation sites by bytes, each with its innermost `frames` frames.
@@ -86,7 +103,7 @@ def heap_growth(low: Path, high: Path, runs: int, *, top: int = 12, frames: int 
                  "site": _site(d.traceback, depth)}
                 for d in sorted(stats, key=lambda d: d.size_diff, reverse=True)[:top] if d.size_diff > 0]
 
-    return {"traced_bytes_per_run": round(total / per),
+    return {"traced_bytes_per_run": round(total / per), **(c_heap_growth(low, high, runs) or {}),
             # By the allocating line alone (every path to it summed), then by the path to it.
             "top_lines": largest(after.compare_to(before, "lineno"), 1),
             "top_sites": largest(diffs, frames)}

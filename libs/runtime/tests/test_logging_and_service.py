@@ -152,3 +152,6 @@ def test_sigusr1_starts_tracemalloc_then_snapshots_what_was_allocated_since(tmp_
         assert proc.wait(30) == 0
     assert allocated_by_main(first) < 10_000
     assert 500_000 <= allocated_by_main(second) < 600_000
+    c_heap = json.loads(heap_snapshot_path(proc.pid, 2, tmp_path).with_suffix(".malloc.json").read_text())
+    assert c_heap["tracemalloc_overhead"] > 0
+    assert c_heap["malloc"] is None or c_heap["malloc"]["in_use"] > 0

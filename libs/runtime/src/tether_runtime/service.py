@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import itertools
+import json
 import os
 import signal
 import tempfile
@@ -37,10 +39,28 @@ def heap_snapshot_path(pid: int, number: int, directory: str | Path | None = Non
 HEAP_TRACE_FRAMES = 8
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_stats() -> dict[str, int] | None:
+    """glibc's view of the C heap (mallinfo2), in bytes: `in_use` (malloc'd and not freed, the
+    mmapped chunks included), `free` (freed but kept by the allocator: RSS that no object holds),
+    `mmapped`. None where the C library has no mallinfo2 (musl, glibc < 2.33, not Linux)."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return {"in_use": info.uordblks + info.hblkhd, "free": info.fordblks, "mmapped": info.hblkhd}
+
+
 def install_heap_snapshot_handler(frames: int = HEAP_TRACE_FRAMES) -> None:
     """SIGUSR1 writes a tracemalloc snapshot of the Python heap to `heap_snapshot_path` (in the
     temp directory: ``TMPDIR``), after a full garbage collection, so what it holds is what is
-    still referenced. A diagnostic for finding what grows (the bench's park phase uses it:
+    still referenced, and beside it (``.malloc.json``) the C allocator's `malloc_stats`. A diagnostic for finding what grows (the bench's park phase uses it:
     TETHER_BENCH_PARK_HEAP); compare two with ``Snapshot.load(b).compare_to(Snapshot.load(a), ...)``.
 
     If tracemalloc is not tracing yet, the first SIGUSR1 starts it (`frames` frames per
@@ -57,6 +77,9 @@ def install_heap_snapshot_handler(frames: int = HEAP_TRACE_FRAMES) -> None:
         path = heap_snapshot_path(os.getpid(), next(numbers))
         partial = path.with_suffix(".partial")
         tracemalloc.take_snapshot().dump(str(partial))
+        # Beside it, what the C allocator holds (tracemalloc's own tables are part of `in_use`).
+        c_heap = {"malloc": malloc_stats(), "tracemalloc_overhead": tracemalloc.get_tracemalloc_memory()}
+        path.with_suffix(".malloc.json").write_text(json.dumps(c_heap))
         partial.rename(path)  # readers never see a half-written snapshot
         log.info("heap_snapshot_written", path=str(path),
                  traced_mb=round(tracemalloc.get_traced_memory()[0] / 2**20, 1))
