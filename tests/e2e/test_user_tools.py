@@ -122,9 +122,10 @@ def register_team_tools(system: TetherSystem, mcp_server: RunningMcpServer, stdi
     if stdio_demo is not None:
         server = StdioServer(command=stdio_demo.command, read_only_paths=stdio_demo.read_only_paths,
                              env={**stdio_demo.env, "DEMO_TOKEN": "secret://team/token"})
-        declared = [t for t in list_mcp_stdio_tools(server) if t.name == "where"]
+        declared = [t for t in list_mcp_stdio_tools(server, timeout_s=120) if t.name == "where"]
+        # A server start per call: allow for a busy machine (an answered call returns at once).
         team += tool_specs_from_mcp_stdio(server, declared, prefix="sd_", risk_class=RiskClass.READ_ONLY,
-                                          egress=False)
+                                          egress=False, timeout_ms=120_000)
     tools = builtin_tool_specs(kv_url=system.sink_urls["kv"], smtp_host="127.0.0.1", smtp_port=system.smtp_port,
                                email_from=system.config.email_from, http_allow_hosts=["127.0.0.1"]) + team
     model = system.config.model

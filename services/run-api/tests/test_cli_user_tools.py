@@ -123,6 +123,7 @@ def stdio_args(demo) -> list[str]:
 
 def test_import_mcp_over_stdio_lists_in_the_sandbox_and_registers_most_restrictive(env, stdio_demo):
     out = invoke("tools", "import-mcp", *stdio_args(stdio_demo), "--env", "DEMO_TOKEN=secret://team/demo",
+                 "--list-timeout-s", "120",
                  "--prefix", "sd_", "--only", "add", "--only", "where", "--", *stdio_demo.command).output
     assert "registered tool sd_add v1 (IRREVERSIBLE)" in out and "registered tool sd_where v1" in out, out
     add = tool("sd_add")

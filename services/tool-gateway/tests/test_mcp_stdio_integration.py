@@ -93,7 +93,11 @@ def env(pg_schema, demo, sandbox):
     pool.close()
 
 
-def stdio_tool(server: StdioServer, remote: str, *, timeout_ms: int = 20_000, **config) -> ToolSpec:
+#: Long enough for a server start on a busy machine; a call that works returns as soon as it is answered.
+CALL_TIMEOUT_MS = 90_000
+
+
+def stdio_tool(server: StdioServer, remote: str, *, timeout_ms: int = CALL_TIMEOUT_MS, **config) -> ToolSpec:
     [spec] = tool_specs_from_mcp_stdio(server, [_declared(remote)], prefix="demo_", timeout_ms=timeout_ms)
     merged = json.loads(spec.executor_config_json) | config
     return spec.model_copy(update={"executor_config_json": json.dumps(merged)})
@@ -117,9 +121,9 @@ def processes_with(marker: str) -> list[int]:
 
 # -- list and call ---------------------------------------------------------------------------------
 def test_a_stdio_servers_tools_are_listed_and_called_in_the_sandbox(env, demo, sandbox):
-    tools = list_mcp_stdio_tools(demo, runner=sandbox)
+    tools = list_mcp_stdio_tools(demo, runner=sandbox, timeout_s=CALL_TIMEOUT_MS / 1000)
     assert {t.name for t in tools} == {"add", "shout", "fail", "blob", "where", "crash", "hang"}
-    specs = {s.name: s for s in tool_specs_from_mcp_stdio(demo, tools, prefix="demo_")}
+    specs = {s.name: s for s in tool_specs_from_mcp_stdio(demo, tools, prefix="demo_", timeout_ms=CALL_TIMEOUT_MS)}
     add = specs["demo_add"]
     # The most restrictive class until an operator says otherwise, as for a streamable HTTP server.
     assert add.risk_class is RiskClass.IRREVERSIBLE and not add.idempotent and add.untrusted_source and add.egress

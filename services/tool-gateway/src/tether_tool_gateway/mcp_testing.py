@@ -104,7 +104,7 @@ class StdioDemoUnavailable(RuntimeError):
 #: The interpreter inside the sandbox: the host's /usr is all the sandbox has of the system.
 SANDBOX_PYTHON = "/usr/bin/python3"
 # One session of what a client sends (initialize, tools/list, tools/call), so a warm-up run of the
-# server imports, and compiles, what a real session needs.
+# server imports, and compiles, most of what a real session needs.
 _WARM_UP_SESSION = [
     {"jsonrpc": "2.0", "id": 1, "method": "initialize",
      "params": {"protocolVersion": "2025-06-18", "capabilities": {},
@@ -146,12 +146,18 @@ def prepare_stdio_demo(runner: SandboxRunner, workdir: Path) -> StdioServer:
     none), and compiling the SDK at every start costs seconds: one warm-up run, in the sandbox,
     writes it into `workdir`, which later runs read through PYTHONPYCACHEPREFIX. `workdir` is an
     empty directory the caller made (and removes), on a path uid 65534 can reach. Raises
-    StdioDemoUnavailable when this machine cannot do it (no python3 of this minor version in /usr)."""
+    StdioDemoUnavailable when this machine cannot do it (no python3 of this minor version in /usr);
+    RuntimeError when the warm-up fails."""
+    from tether_security.sandbox import SandboxLimits
     from tether_tool_gateway.executors.mcp_stdio import StdioServer
 
     version = ".".join(map(str, sys.version_info[:2]))
     if not os.access(SANDBOX_PYTHON, os.X_OK):
         raise StdioDemoUnavailable(f"{SANDBOX_PYTHON} is missing")
+    probe = runner.run([SANDBOX_PYTHON, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"])
+    if probe.stdout.decode().strip() != version:
+        raise StdioDemoUnavailable(f"{SANDBOX_PYTHON} is Python {probe.stdout.decode().strip() or '?'}, "
+                                   f"this venv's packages are for {version}")
     src = Path(__file__).resolve().parents[1]
     site = Path(sysconfig.get_paths()["purelib"]).resolve()
     workdir = workdir.resolve()
@@ -163,14 +169,15 @@ def prepare_stdio_demo(runner: SandboxRunner, workdir: Path) -> StdioServer:
     command = (SANDBOX_PYTHON, "-m", "tether_tool_gateway.mcp_testing")
     env = {"PYTHONPATH": f"{src}:{site}"}
     session = "".join(json.dumps(m) + "\n" for m in _WARM_UP_SESSION).encode()
-    warm = runner.run([SANDBOX_PYTHON, "-c", f"import sys; assert sys.version.startswith('{version}.'), sys.version; "
-                                             "import runpy; runpy.run_module('tether_tool_gateway.mcp_testing', "
-                                             "run_name='__main__')"],
-                      workdir=pycache, stdin=session, read_only_paths=[str(src), str(site)],
-                      env={**env, "PYTHONPYCACHEPREFIX": "/sandbox"})
-    if not warm.ok or b'"id":2' not in warm.stdout.replace(b" ", b""):
-        raise StdioDemoUnavailable(f"the demo server did not run in the sandbox ({warm.error_code}): "
-                                   f"{warm.stderr[-1000:].decode(errors='replace')}")
+    # Generous limits: compiling the SDK takes seconds of CPU, many more of wall clock on a busy machine.
+    warm = runner.run(list(command), workdir=pycache, stdin=session, read_only_paths=[str(src), str(site)],
+                      env={**env, "PYTHONPYCACHEPREFIX": "/sandbox"},
+                      limits=SandboxLimits(wall_seconds=300, cpu_seconds=120))
+    # Only its exit status is checked: the server stops at the end of its stdin, possibly before it
+    # answered the last requests (their modules are compiled by then, or on the first real call).
+    if not warm.ok:
+        raise RuntimeError(f"the demo server did not run in the sandbox ({warm.error_code}): "
+                           f"{warm.stderr[-1000:].decode(errors='replace')}")
     return StdioServer(command=command, read_only_paths=(str(src), str(site), str(pycache)),
                        env={**env, "PYTHONPYCACHEPREFIX": str(pycache), "PYTHONDONTWRITEBYTECODE": "1"})
 
