@@ -412,7 +412,8 @@ def test_the_service_process_serves_grpc_health_and_metrics(stack, service_proce
         "TETHER_RUN_API_PORT": str(grpc_port), "TETHER_RUN_API_METRICS_PORT": str(http_port),
         "TETHER_RUN_API_GRPC_WORKERS": "8", "TETHER_RUN_API_REDELIVER_INTERVAL_S": "0.2",
     }
-    proc = service_processes.start("tether_run_api", health_port=http_port, env=env)
+    # /readyz: /healthz answers as soon as the process is up, while it may still wait for PostgreSQL.
+    proc = service_processes.start("tether_run_api", health_port=http_port, health_path="/readyz", env=env)
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     try:
         health = health_pb2_grpc.HealthStub(channel)

@@ -505,7 +505,11 @@ class ProcessorLoop:
             # Outputs name their partition explicitly; the partitioner only matters for a
             # record produced without one, and must then agree with Java clients.
             "partitioner": "murmur2_random",
-            "linger.ms": 5,
+            # A batch's outputs leave at its commit (commit_transaction and flush send what is
+            # queued at once, whatever the linger), not every 5 ms while the batch is handled: a
+            # batch that handles for a while sends one produce request per partition instead of
+            # dozens, for half the producer's CPU (libs/messaging/bench/linger_probe.py).
+            "linger.ms": 1000,
             "error_cb": self._on_client_error,
             **cfg.producer_overrides,
         }
@@ -1119,16 +1123,22 @@ def serve_processor(
     settings: ServiceSettings,
     *,
     stop: threading.Event | None = None,
+    start_up: Callable[[threading.Event], None] | None = None,
     **config_overrides: Any,
 ) -> int:
     """A processor service's whole main: logging, metrics/health server, signals, the loop.
 
-    Returns the exit code (0 after SIGTERM/SIGINT, 1 when the loop failed fatally); use as
-    ``raise SystemExit(serve_processor(MyProcessor(...), MySettings()))``.
+    `start_up(stop)`, if given, runs once the health server is up and before the loop: the
+    service's own start-up I/O (e.g. its database schema), which may wait for a dependency
+    (`tether_runtime.startup.wait_for_dependency`) while /readyz says not ready.
+
+    Returns the exit code (0 after SIGTERM/SIGINT, 1 when the loop or the start-up failed);
+    use as ``raise SystemExit(serve_processor(MyProcessor(...), MySettings()))``.
     """
     from tether_runtime import logging as runtime_logging
     from tether_runtime.http import HealthServer
     from tether_runtime.service import run
+    from tether_runtime.startup import StartupInterrupted
 
     runtime_logging.configure(processor.name, settings.log_level, instance=settings.instance_id)
     loop = ProcessorLoop(processor, LoopConfig.from_settings(settings, **config_overrides))
@@ -1137,6 +1147,11 @@ def serve_processor(
     def main(stop_event: threading.Event) -> int:
         health.start()
         try:
+            if start_up is not None:
+                try:
+                    start_up(stop_event)
+                except StartupInterrupted:
+                    return 0
             loop.run(stop_event)
         finally:
             health.stop()

@@ -50,6 +50,12 @@ class ServiceSettings(BaseSettings):
     http_host: str = Field("127.0.0.1", description="Address of the metrics/health server.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Port of the metrics/health server; 0 = ephemeral.")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
+    startup_wait_s: float = Field(
+        120.0,
+        ge=0,
+        description="How long start-up retries an unreachable PostgreSQL (with backoff, /readyz not ready) "
+        "before the process exits 1.",
+    )
     batch_max_ms: int = Field(100, ge=1, description="Longest a loop batch collects input before it commits.")
     batch_max_messages: int = Field(500, ge=1, description="Most input records per loop batch/transaction.")
     work_threads: int = Field(8, ge=1, description="Threads running slow work (model calls, tool executions).")

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 
 from tether_messaging.loop import serve_processor
 from tether_projector.bootstrap import build_live, build_processor, declare_topics
 from tether_projector.metrics import ProjectorMetrics
+from tether_projector.ports import ReadModelUnavailable
 from tether_projector.settings import ProjectorSettings
+from tether_runtime.startup import wait_for_dependency
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,10 +36,16 @@ def run(settings: ProjectorSettings) -> int:
     if settings.declare_topics:
         declare_topics(settings)
     processor = build_processor(settings)
-    processor.deps.read_model.ensure_schema()
+    read_model = processor.deps.read_model
+
+    def start_up(stop: threading.Event) -> None:
+        # PostgreSQL may be restarting (or not up yet): wait for it, not ready meanwhile.
+        wait_for_dependency(read_model.ensure_schema, what="postgresql", retry_on=(ReadModelUnavailable,),
+                            stop=stop, timeout_s=settings.startup_wait_s)
+
     # At-least-once: nothing is produced, so there is nothing to make atomic with the offsets; a
     # handler error stops the process (replayed after restart) rather than dropping the event.
-    return serve_processor(processor, settings, transactional=False, handler_errors="fail")
+    return serve_processor(processor, settings, start_up=start_up, transactional=False, handler_errors="fail")
 
 
 def rebuild(settings: ProjectorSettings, schema: str | None, with_redis: bool, batch: int | None) -> int:

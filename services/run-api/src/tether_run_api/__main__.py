@@ -14,6 +14,7 @@ from tether_run_api.settings import RunApiSettings
 from tether_runtime import logging as runtime_logging
 from tether_runtime.http import HealthServer
 from tether_runtime.service import run
+from tether_runtime.startup import StartupInterrupted
 
 log = structlog.get_logger("tether_run_api")
 
@@ -37,10 +38,18 @@ def serve(stop: threading.Event, settings: RunApiSettings | None = None) -> int:
     """Serve until `stop` is set; then stop accepting, drain in-flight calls, flush Kafka."""
     settings = settings or RunApiSettings()
     runtime_logging.configure("run-api", settings.log_level, instance=settings.instance_id)
-    app = build_app(settings)
+    app: App | None = None
     server = None
-    http = None
+    # Up before PostgreSQL is: /healthz says alive, and /readyz not ready until gRPC is served
+    # (build_app may wait for the database first).
+    http = HealthServer(host=settings.http_host, port=settings.metrics_port,
+                        ready=lambda: server is not None and app is not None and app.ready())
+    http.start()
     try:
+        try:
+            app = build_app(settings, stop=stop)
+        except StartupInterrupted:
+            return 0
         server = start_server(
             app.services,
             host=settings.host,
@@ -49,8 +58,6 @@ def serve(stop: threading.Event, settings: RunApiSettings | None = None) -> int:
             max_receive_message_bytes=settings.max_receive_message_bytes,
             max_send_message_bytes=settings.max_send_message_bytes,
         )
-        http = HealthServer(host=settings.http_host, port=settings.metrics_port, ready=app.ready)
-        http.start()
         log.info("grpc_listening", host=settings.host, port=server.port)
         sweeper = threading.Thread(target=sweep_undelivered, args=(app, stop), name="redeliver", daemon=True)
         sweeper.start()
@@ -59,9 +66,9 @@ def serve(stop: threading.Event, settings: RunApiSettings | None = None) -> int:
     finally:
         if server is not None:
             server.stop(grace_s=5.0)
-        if http is not None:
-            http.stop()
-        app.close()
+        http.stop()
+        if app is not None:
+            app.close()
     return 0
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
+import psycopg
 import redis
 import structlog
 from psycopg_pool import ConnectionPool
@@ -23,6 +25,7 @@ from tether_run_api.domain.admission import SubmitRateLimiter
 from tether_run_api.domain.runs import RunLimits
 from tether_run_api.domain.tenancy import AdmissionGate
 from tether_run_api.settings import RunApiSettings
+from tether_runtime.startup import wait_for_dependency
 
 
 @dataclass
@@ -54,17 +57,27 @@ def _backlog_unavailable(tenant_id: str, error: Exception) -> None:
 def open_store(settings: RunApiSettings) -> tuple[PostgresStore, ConnectionPool]:
     """The run_api schema's store (migrated), for the server and for admin commands."""
     pool = open_pool(settings.pg_dsn, max_size=settings.pg_pool_size)
-    migrate(pool, settings.pg_schema)
+    try:
+        migrate(pool, settings.pg_schema)
+    except BaseException:
+        pool.close()
+        raise
     return PostgresStore(pool, settings.pg_schema), pool
 
 
-def build_app(settings: RunApiSettings) -> App:
-    """Open PostgreSQL (and migrate run_api), Redis and a Kafka producer; declare the topics if asked."""
+def build_app(settings: RunApiSettings, *, stop: threading.Event | None = None) -> App:
+    """Open PostgreSQL (and migrate run_api), Redis and a Kafka producer; declare the topics if asked.
+
+    An unreachable PostgreSQL is waited for, up to `settings.startup_wait_s`
+    (`tether_runtime.startup.wait_for_dependency`; `StartupInterrupted` if `stop` is set meanwhile).
+    """
     topics = Topics(settings.topic_prefix)
     if settings.declare_topics:
         declare_topics(settings.kafka_bootstrap, settings.partitions, [], prefix=settings.topic_prefix)
     closers: list[Callable[[], None]] = []
-    store, pool = open_store(settings)
+    store, pool = wait_for_dependency(lambda: open_store(settings), what="postgresql",
+                                      retry_on=(psycopg.OperationalError,), stop=stop or threading.Event(),
+                                      timeout_s=settings.startup_wait_s)
     closers.append(pool.close)
     redis_client = redis.Redis.from_url(settings.redis_url)
     closers.append(redis_client.close)

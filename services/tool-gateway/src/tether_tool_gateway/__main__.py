@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import threading
+
+import psycopg
 
 from tether_messaging.loop import serve_processor
+from tether_runtime.startup import wait_for_dependency
 from tether_tool_gateway.bootstrap import build_gateway, declare_topics
 from tether_tool_gateway.settings import GatewaySettings
 
@@ -14,9 +18,16 @@ def main() -> int:
     if settings.declare_topics:
         declare_topics(settings)
     gateway = build_gateway(settings, environ=os.environ)
-    gateway.open()
+
+    def start_up(stop: threading.Event) -> None:
+        # The ledger's PostgreSQL may be restarting (or not up yet): wait for it, not ready
+        # meanwhile. A pool that timed out (PoolTimeout is an OperationalError) keeps trying
+        # in the background; opening it again just waits again.
+        wait_for_dependency(gateway.open, what="postgresql", retry_on=(psycopg.OperationalError,), stop=stop,
+                            timeout_s=settings.startup_wait_s)
+
     try:
-        return serve_processor(gateway.processor, settings)
+        return serve_processor(gateway.processor, settings, start_up=start_up)
     finally:
         gateway.close()
 

@@ -156,7 +156,11 @@ def open_pool(dsn: str, *, max_size: int, timeout_s: float = 10.0) -> Connection
         open=False,
         kwargs={"autocommit": True, "row_factory": dict_row},
     )
-    pool.open(wait=True, timeout=timeout_s)
+    try:
+        pool.open(wait=True, timeout=timeout_s)
+    except BaseException:
+        pool.close()  # its worker would otherwise keep connecting in the background
+        raise
     return pool
 
 
