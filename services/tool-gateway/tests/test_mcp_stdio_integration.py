@@ -25,6 +25,7 @@ from tether_tool_gateway.executors.mcp_stdio import (
     McpStdioExecutor,
     StdioServer,
     list_mcp_stdio_tools,
+    listing_env,
     tool_specs_from_mcp_stdio,
     with_sandboxed_server,
 )
@@ -120,29 +121,27 @@ def processes_with(marker: str) -> list[int]:
 
 
 # -- list and call ---------------------------------------------------------------------------------
-def test_a_stdio_servers_tools_are_listed_and_called_in_the_sandbox(env, demo, sandbox):
-    tools = list_mcp_stdio_tools(demo, runner=sandbox, timeout_s=CALL_TIMEOUT_MS / 1000)
+def test_a_stdio_servers_tools_are_listed_and_called_in_the_sandbox_with_its_secret(env, demo, sandbox, capsys):
+    # The team's token goes in the server's environment by handle; listing leaves such variables out.
+    server = StdioServer(command=demo.command, read_only_paths=demo.read_only_paths,
+                         env={**demo.env, "DEMO_TOKEN": "secret://team/token"})
+    assert "DEMO_TOKEN" not in listing_env(server)
+    tools = list_mcp_stdio_tools(server, runner=sandbox, timeout_s=CALL_TIMEOUT_MS / 1000)
     assert {t.name for t in tools} == {"add", "shout", "fail", "blob", "where", "crash", "hang"}
-    specs = {s.name: s for s in tool_specs_from_mcp_stdio(demo, tools, prefix="demo_", timeout_ms=CALL_TIMEOUT_MS)}
-    add = specs["demo_add"]
+    specs = {s.name: s for s in tool_specs_from_mcp_stdio(server, tools, prefix="demo_", timeout_ms=CALL_TIMEOUT_MS)}
+    where = specs["demo_where"]
     # The most restrictive class until an operator says otherwise, as for a streamable HTTP server.
-    assert add.risk_class is RiskClass.IRREVERSIBLE and not add.idempotent and add.untrusted_source and add.egress
-    assert add.executor_kind == "mcp_stdio"
-    assert json.loads(add.executor_config_json) == {**demo.config(), "tool": "add"}
-    assert json.loads(add.args_schema_json)["required"] == ["a", "b"]
-    outcome = env.run(add, {"a": 2, "b": 40})
-    assert isinstance(outcome, Completed) and outcome.untrusted, outcome
-    assert json.loads(outcome.result_json)["structured_content"] == {"result": 42}
-
-
-def test_the_server_runs_sandboxed_and_its_secret_reaches_it_only(env, demo, capsys):
-    tool = stdio_tool(demo, "where", env={**demo.env, "DEMO_TOKEN": "secret://team/token"})
+    assert where.risk_class is RiskClass.IRREVERSIBLE and not where.idempotent and where.untrusted_source
+    assert where.egress and where.executor_kind == "mcp_stdio"
+    assert json.loads(where.executor_config_json) == {**server.config(), "tool": "where"}
+    assert json.loads(specs["demo_add"].args_schema_json)["required"] == ["a", "b"]
     with structlog.testing.capture_logs() as logs:
-        outcome = env.run(tool, {})
-    assert isinstance(outcome, Completed), outcome
+        outcome = env.run(where, {})
+    assert isinstance(outcome, Completed) and outcome.untrusted, outcome
     facts = json.loads(outcome.result_json)["structured_content"]
+    # It ran in the sandbox: uid 65534, bwrap's host name, loopback only.
     assert (facts["uid"], facts["hostname"], facts["interfaces"]) == (65534, "sandbox", ["lo"])
-    # The server got the value (and echoed it back); the redactor scrubbed it before it was recorded.
+    # It got the secret's value (and echoed it back); the redactor scrubbed it before it was recorded.
     assert facts["env"]["DEMO_TOKEN"].startswith("[REDACTED")
     assert SECRET not in outcome.result_json and SECRET not in env.ledger_text()
     assert SECRET not in json.dumps(logs, default=str)
