@@ -448,7 +448,7 @@ class SandboxRunner:
                 fds: list[int], *, read_only_paths: Sequence[str] = (),
                 env: Mapping[str, str] | None = None) -> _Launch:
         """The bwrap command line for `argv` and the descriptors it reads (appended to `fds`, which the
-        caller closes once the sandbox is gone), for `run` and `open_process` alike."""
+        caller closes once the sandbox is gone), for `run` and `start` alike."""
         data = {"/etc/passwd": _PASSWD.encode(), "/etc/group": _GROUP.encode(), "/etc/hosts": _HOSTS.encode(),
                 "/etc/nsswitch.conf": _NSSWITCH.encode()}
         if script is not None:
