@@ -211,7 +211,8 @@ class SandboxRunner:
     plus PATH, HOME and LANG; no capabilities, NoNewPrivs, a seccomp filter, a new session; and
     rlimits (CPU, address space, processes, open files, file size, no core dumps). The parent
     enforces the wall clock and output caps and kills the whole tree. `run` blocks; call it from
-    a worker thread in async code.
+    a worker thread in async code. `start` runs a command in the same sandbox as a live process
+    (`SandboxedProcess`: pipes to its stdin and stdout, the wall clock kept by a watcher thread).
     """
 
     def __init__(
