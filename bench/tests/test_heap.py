@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tracemalloc
 
+import pytest
+
 from tether_bench.heap import heap_growth, marginal_kb_per_run, mb_per_10k
 
 
@@ -61,3 +63,29 @@ def test_c_heap_growth_takes_tracemalloc_out_and_needs_both_sides(tmp_path) -> N
     high.with_suffix(".malloc.json").write_text(json.dumps({"malloc": None, "tracemalloc_overhead": 0}))
     assert c_heap_growth(low, high, 20) is None
     assert c_heap_growth(low, tmp_path / "missing.tracemalloc", 20) is None
+
+
+@pytest.mark.integration
+def test_consumer_lag_counts_what_a_group_has_not_committed(kafka_bootstrap, kafka_topics) -> None:
+    import uuid
+
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from tether_bench.heap import consumer_lag
+
+    topic = kafka_topics.create("bench-lag", partitions=2)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    for i in range(5):
+        producer.produce(topic, b"x", partition=0)
+    producer.produce(topic, b"x", partition=1)
+    assert producer.flush(30) == 0
+    behind, done, never = (f"bench-lag-{what}-{uuid.uuid4().hex[:8]}" for what in ("behind", "done", "never"))
+    for group, offsets in ((behind, (2, 1)), (done, (5, 1))):
+        committer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group})
+        try:
+            committer.commit(offsets=[TopicPartition(topic, p, o) for p, o in enumerate(offsets)], asynchronous=False)
+        finally:
+            committer.close()
+    lag = consumer_lag(kafka_bootstrap, [behind, done, never], [topic], 2)
+    # 5 records on partition 0, committed to 2: 3 offsets, one of which could be a commit marker.
+    assert lag == {behind: 2, done: 0, never: 0}

@@ -45,12 +45,12 @@ from tether_bench.common import (
     rounded,
     rss_kb,
 )
-from tether_bench.heap import heap_growth, marginal_kb_per_run, mb_per_10k, request_snapshots
+from tether_bench.heap import consumer_lag, heap_growth, marginal_kb_per_run, mb_per_10k, request_snapshots
 from tether_bench.load import ApproverBot, ClosedLoop, make_tenants, submit_until_accepted
 from tether_bench.observer import LogObserver, Seen
 from tether_bench.peer_langgraph import run_peer
 from tether_bench.scenarios import kv_get_steps, park_on_approval, write_scenarios
-from tether_testing.system import SERVICES, SystemConfig, TetherSystem
+from tether_testing.system import CHANGELOG_SERVICES, SERVICES, SystemConfig, TetherSystem
 
 log = logging.getLogger("tether_bench")
 
@@ -399,11 +399,17 @@ class Bench:
             self.observer.wait_count(lambda: len(parked) >= len(submitted), 120)
 
         def level(number: int) -> dict[str, Any]:
-            """Settle, then read every service at the current number of parked runs."""
+            """Once every consumer has caught up (the projector, the slowest, may still be working
+            through the last runs' events, holding them and its fetch buffers) and a settle pause
+            has passed, read every service at the current number of parked runs."""
+            lag_wait = time.monotonic()
+            lag = self._wait_caught_up(timeout_s=180)
+            lag_wait = time.monotonic() - lag_wait
             time.sleep(settle)
             with lock:
                 count = len(parked)
-            reading = {"parked": count, "rss_kb": {name: rss_kb(pid) for name, pid in pids.items()}}
+            reading = {"parked": count, "rss_kb": {name: rss_kb(pid) for name, pid in pids.items()},
+                       "catch_up_s": round(lag_wait, 1), "lag_left": lag}
             if self.s.park_heap:
                 reading["snapshots"] = request_snapshots(pids, number, self.workdir / "heap")
             return reading
@@ -439,6 +445,8 @@ class Bench:
             "parked_at_levels": [low["parked"], high["parked"]],
             "rss_mb_before": {k: round(v / 1024, 1) for k, v in before.items()},
             "rss_mb_at_levels": [{k: round(v / 1024, 1) for k, v in r["rss_kb"].items()} for r in (low, high)],
+            "catch_up_s_at_levels": [low["catch_up_s"], high["catch_up_s"]],
+            "lag_left_at_levels": [low["lag_left"], high["lag_left"]],
             "rss_kb_per_parked_run": per_run,
             "parked_rss_mb_per_10k": mb_per_10k(per_run) if len(same) == len(pids) else None,
             "rss_growth_mb_per_service": {n: round((after[n] - before[n]) / 1024, 1) for n in same},
@@ -451,6 +459,20 @@ class Bench:
             result["heap"] = {name: heap_growth(low["snapshots"][name], high["snapshots"][name], runs)
                               for name in same if name in low["snapshots"] and name in high["snapshots"]}
         self.results["park"] = result
+
+    def _wait_caught_up(self, timeout_s: float) -> dict[str, int]:
+        """Wait until no service's consumer group has uncommitted input; returns what is left
+        (empty when caught up in time)."""
+        topics = self.system.names.topics
+        groups = [topics.group_id(name) for name in CHANGELOG_SERVICES]
+        inputs = [topics.commands, topics.run_intake, topics.run_events]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lag = {g: n for g, n in consumer_lag(self.stack.kafka_bootstrap, groups, inputs,
+                                                 self.s.partitions).items() if n}
+            if not lag or time.monotonic() > deadline:
+                return lag
+            time.sleep(1)
 
     def check_services(self, phase: str) -> None:
         """A service that died during a phase is recorded (a finding) and started again."""

@@ -17,9 +17,11 @@ import os
 import signal
 import time
 import tracemalloc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from confluent_kafka import Consumer, TopicPartition
 
 from tether_runtime.service import heap_snapshot_path
 
@@ -40,6 +42,31 @@ def mb_per_10k(kb_per_run: Mapping[str, float | None]) -> float | None:
     if not values or any(v is None for v in values):
         return None
     return round(sum(values) * 10_000 / 1024, 1)
+
+
+def consumer_lag(bootstrap: str, groups: Sequence[str], topics: Sequence[str], partitions: int) -> dict[str, int]:
+    """Per consumer group: offsets of `topics` not yet committed (high watermark − committed offset,
+    summed over partitions; a topic the group never committed on counts as caught up). One offset
+    per partition is no backlog: a transactional producer's last commit marker takes an offset
+    that no consumer commits past until the next record comes."""
+    probe = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-lag-{os.getpid()}",
+                      "enable.auto.commit": False})
+    try:
+        high = {(t, p): probe.get_watermark_offsets(TopicPartition(t, p), timeout=10)[1]
+                for t in topics for p in range(partitions)}
+        lag = {}
+        for group in groups:
+            # Reading a group's committed offsets does not join it (nothing is subscribed).
+            reader = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+            try:
+                committed = reader.committed([TopicPartition(t, p) for t, p in high], timeout=10)
+            finally:
+                reader.close()
+            lag[group] = sum(max(0, high[(tp.topic, tp.partition)] - tp.offset - 1)
+                             for tp in committed if tp.offset >= 0)
+        return lag
+    finally:
+        probe.close()
 
 
 def request_snapshots(pids: Mapping[str, int], number: int, directory: Path, *,
