@@ -204,7 +204,11 @@ class Bench:
         runs = self.observer.snapshot()
         steps = all_steps(runs, driver.submitted)
         figures = throughput(steps, (start + warmup * 1000, end))
-        figures.update(cpu_figures(cpu.used_s(), figures["steps"], seconds))
+        # The CPU window is the planned one; the phase's own window ends when the last client
+        # returns, which on a loaded machine can be much later.
+        cpu_steps = throughput(steps, cpu.window_ms)["steps"]
+        figures.update(cpu_figures(cpu.used_s(), cpu_steps, (cpu.window_ms[1] - cpu.window_ms[0]) / 1000))
+        figures["cpu_window_steps"] = cpu_steps
         latencies = submit_to_first_event({r: s.submit_start_ms for r, s in driver.submitted.items()}, runs)
         figures["submit_to_first_event_ms_p50_under_load"] = rounded(percentile(latencies, 50), 1)
         figures["runs"] = len(driver.submitted)

@@ -107,6 +107,8 @@ class CpuProbe:
         self.pids = dict(pids)
         self._start: dict[str, float | None] = {}
         self._stop: dict[str, float | None] = {}
+        #: Wall clock (ms) of `start` and `stop`: count the steps of the same window.
+        self.window_ms: tuple[float, float] = (0.0, 0.0)
 
     def _read(self) -> dict[str, float | None]:
         values: dict[str, float | None] = {name: cpu_s(pid) for name, pid in self.pids.items()}
@@ -115,9 +117,11 @@ class CpuProbe:
 
     def start(self) -> None:
         self._start = self._read()
+        self.window_ms = (time.time() * 1000, self.window_ms[1])
 
     def stop(self) -> None:
         self._stop = self._read()
+        self.window_ms = (self.window_ms[0], time.time() * 1000)
 
     def used_s(self) -> dict[str, float]:
         """Per name, the CPU seconds used in the window (processes that died in it are left out)."""

@@ -136,7 +136,8 @@ class LoopConfig:
     #: is noticed when nothing happens (records and due ticks end a poll at once).
     idle_poll_ms: int = 50
     #: Longest one consumer poll blocks while work is in flight: how long finished work may
-    #: wait for the loop (≈ 2% of a core while polling in 2 ms slices, nothing when idle).
+    #: wait for the loop (≈ 2% of a core while polling in 2 ms slices, nothing when idle:
+    #: libs/messaging/bench/poll_cpu.py).
     work_poll_ms: int = 2
     session_timeout_ms: int = 10_000
     #: Static group membership (`group.instance.id` = the slot, as the transactional id): a
