@@ -165,6 +165,12 @@ class LoopConfig:
     #: What an unexpected exception in a handler does: dead-letter the record and carry on
     #: (one run suffers, the partition's other runs keep moving), or fail the process.
     handler_errors: Literal["dead-letter", "fail"] = "dead-letter"
+    #: Most input the consumer fetches ahead of the loop (librdkafka `queued.max.messages.kbytes`,
+    #: may be overshot by one fetch of a partition). librdkafka's default, 64 MiB, is what a
+    #: lagging consumer then holds (and the allocator keeps after it): it made the projector, the
+    #: slowest consumer, grow ~1 KB per parked run in the bench's park phase. A few batches ahead
+    #: is all the loop uses (a batch is at most `batch_max_messages` records).
+    consumer_prefetch_kib: int = 2048
     consumer_overrides: Mapping[str, Any] = field(default_factory=dict)
     producer_overrides: Mapping[str, Any] = field(default_factory=dict)
     #: Confluent Schema Registry URL: values are written in its wire format when set (either
@@ -492,6 +498,7 @@ class ProcessorLoop:
             # co-partitioning nor make the revoke/transaction interplay as simple.
             "partition.assignment.strategy": "range",
             "session.timeout.ms": cfg.session_timeout_ms,
+            "queued.max.messages.kbytes": cfg.consumer_prefetch_kib,
             "heartbeat.interval.ms": max(1000, cfg.session_timeout_ms // 5),
             "error_cb": self._on_client_error,
             **({"group.instance.id": self.group_instance_id} if cfg.static_membership else {}),
