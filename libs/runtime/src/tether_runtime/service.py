@@ -60,7 +60,8 @@ def malloc_stats() -> dict[str, int] | None:
 def install_heap_snapshot_handler(frames: int = HEAP_TRACE_FRAMES) -> None:
     """SIGUSR1 writes a tracemalloc snapshot of the Python heap to `heap_snapshot_path` (in the
     temp directory: ``TMPDIR``), after a full garbage collection, so what it holds is what is
-    still referenced, and beside it (``.malloc.json``) the C allocator's `malloc_stats`. A diagnostic for finding what grows (the bench's park phase uses it:
+    still referenced, and beside it (``.malloc.json``) the C allocator's `malloc_stats`. A
+    diagnostic for finding what grows (the bench's park phase uses it:
     TETHER_BENCH_PARK_HEAP); compare two with ``Snapshot.load(b).compare_to(Snapshot.load(a), ...)``.
 
     If tracemalloc is not tracing yet, the first SIGUSR1 starts it (`frames` frames per
