@@ -496,8 +496,10 @@ class Bench:
     def run(self) -> dict[str, Any]:
         self.results["machine"] = machine()
         began = time.monotonic()
-        self.start()
         try:
+            # Inside the try: a start that fails after the services are up (tenants, the
+            # observer) must still stop them and drop the namespace.
+            self.start()
             if self.s.start_at > time.time():
                 print(f"bench: waiting {self.s.start_at - time.time():.0f}s for TETHER_BENCH_START_AT",
                       file=sys.stderr, flush=True)
