@@ -23,6 +23,7 @@ from tether_contracts.records import (
     Remaining,
     RunAccepted,
     ToolCall,
+    ToolCallAuthorized,
     ToolCallBudgeted,
     ToolCallCompleted,
     ToolCallRequested,
@@ -237,7 +238,10 @@ def test_gateway_processor_end_to_end_with_real_adapters(pg, kv, smtp):
         feed(ToolCallRequested(step=1, call=ToolCall(call_id=f"1.{i}", call_index=i, idem_key=idem, tool_name=name,
                                                      args_json=args_json, args_hash=sha256_hex(args_json))))
         calls.append((f"1.{i}", idem, sha256_hex(args_json)))
-    assert feed(ToolCallBudgeted(step=1, call_id="1.0", idem_key=calls[0][1], remaining=remaining)) == []
+    # An allowed call: the gateway records its go (ToolCallAuthorized) and starts the work.
+    (authorized,) = [e.payload for e in feed(ToolCallBudgeted(step=1, call_id="1.0", idem_key=calls[0][1],
+                                                              remaining=remaining))]
+    assert isinstance(authorized, ToolCallAuthorized) and authorized.call_id == "1.0"
     (req,) = [e.payload for e in feed(ToolCallBudgeted(step=1, call_id="1.1", idem_key=calls[1][1],
                                                        remaining=remaining))]
     assert isinstance(req, ApprovalRequested)
