@@ -24,6 +24,7 @@ from tether_messaging.serde import open_payload
 from tether_run_api import admin
 from tether_run_api.adapters.postgres import PostgresStore, open_pool
 from tether_run_api.api.status import error_info
+from tether_security import open_envelope
 from tether_testing.system import SERVICES, ApiClient, TetherSystem
 
 pytestmark = pytest.mark.e2e
@@ -175,8 +176,9 @@ def tool_errors(request: dict) -> list[tuple[str, dict]]:
     out = []
     for message in request["body"]["messages"]:
         if message["role"] == "tool":
-            envelope = json.loads(message["content"])
-            out.append((envelope["status"], json.loads(envelope["content"]).get("error", {})))
+            envelope = open_envelope(message["content"])  # the platform's untrusted-data envelope
+            assert envelope is not None, message["content"]
+            out.append((envelope.status, json.loads(envelope.content).get("error", {})))
     return out
 
 
