@@ -18,6 +18,14 @@ def test_the_slope_leaves_out_what_was_paid_before_the_first_level() -> None:
     assert mb_per_10k(per_run) == round(2.5 * 10_000 / 1024, 1)
 
 
+def test_a_service_whose_memory_fell_counts_zero_not_a_credit() -> None:
+    # run-api's RSS shrank by 12 MB between the levels; budget grew 2 KiB per run.
+    per_run = marginal_kb_per_run({"budget": 100_000, "run-api": 120_000}, {"budget": 104_000, "run-api": 108_000},
+                                  1_000, 3_000)
+    assert per_run == {"budget": 2.0, "run-api": -6.0}
+    assert mb_per_10k(per_run) == round(2.0 * 10_000 / 1024, 1)
+
+
 def test_no_slope_without_runs_parked_between_the_levels_or_for_a_restarted_service() -> None:
     assert marginal_kb_per_run({"budget": 10}, {"budget": 20}, 500, 500) == {"budget": None}
     per_run = marginal_kb_per_run({"budget": 10, "planner": 10}, {"budget": 20}, 0, 10)

@@ -37,11 +37,15 @@ def marginal_kb_per_run(rss_low_kb: Mapping[str, int], rss_high_kb: Mapping[str,
 
 
 def mb_per_10k(kb_per_run: Mapping[str, float | None]) -> float | None:
-    """The services' summed KiB per run as MiB per 10,000 runs (None if any service has no figure)."""
+    """The services' summed KiB per run as MiB per 10,000 runs (None if any service has no figure).
+
+    A service whose RSS fell between the levels (the allocator returned memory, a buffer shrank)
+    counts 0: parked runs cannot cost negative memory, and its drop must not hide another
+    service's growth."""
     values = list(kb_per_run.values())
     if not values or any(v is None for v in values):
         return None
-    return round(sum(values) * 10_000 / 1024, 1)
+    return round(sum(max(0.0, v) for v in values) * 10_000 / 1024, 1)
 
 
 def consumer_lag(bootstrap: str, groups: Sequence[str], topics: Sequence[str], partitions: int) -> dict[str, int]:
