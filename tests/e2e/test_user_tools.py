@@ -71,23 +71,22 @@ def mcp_server() -> Iterator[RunningMcpServer]:
 
 
 @pytest.fixture(scope="module")
-def stdio_demo() -> StdioServer | None:
-    """The stdio demo server as the gateway's sandbox runs it (None where this machine cannot)."""
+def stdio_demo() -> StdioServer:
+    """The stdio demo server as the gateway's sandbox runs it (`make setup` installs what it needs)."""
     try:
         return shared_stdio_demo()
-    except StdioDemoUnavailable:
-        return None
+    except StdioDemoUnavailable as exc:
+        pytest.fail(f"the sandbox cannot run the stdio demo server on this machine: {exc}")
 
 
 @pytest.fixture(scope="module")
 def tether_system(kafka_bootstrap: str, pg_dsn: str, redis_url: str, mcp_server: RunningMcpServer,
-                  stdio_demo: StdioServer | None,
+                  stdio_demo: StdioServer,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[TetherSystem]:
     """This module's own system; its HTTP sink answers late. The demo tenant also gets the team's tools."""
     gateway_env = {"TETHER_GATEWAY_SECRETS_ENV_PREFIX": "TEAMSECRET_", "TEAMSECRET_TEAM_TOKEN": SECRET}
-    if stdio_demo is not None:
-        # The operator lets stdio tools bind the demo server's files (and nothing else) into their sandbox.
-        gateway_env["TETHER_GATEWAY_MCP_STDIO_ROOTS"] = json.dumps(list(stdio_demo.read_only_paths))
+    # The operator lets stdio tools bind the demo server's files (and nothing else) into their sandbox.
+    gateway_env["TETHER_GATEWAY_MCP_STDIO_ROOTS"] = json.dumps(list(stdio_demo.read_only_paths))
     system = TetherSystem(SystemConfig(
         kafka_bootstrap=kafka_bootstrap, pg_dsn=pg_dsn, redis_url=redis_url,
         workdir=tmp_path_factory.mktemp("tether-user-tools"), partitions=2, scenarios=[SCENARIOS],
@@ -104,7 +103,7 @@ def tether_system(kafka_bootstrap: str, pg_dsn: str, redis_url: str, mcp_server:
     assert not leftovers, f"processes of the system still running after stop(): {leftovers}"
 
 
-def register_team_tools(system: TetherSystem, mcp_server: RunningMcpServer, stdio_demo: StdioServer | None) -> None:
+def register_team_tools(system: TetherSystem, mcp_server: RunningMcpServer, stdio_demo: StdioServer) -> None:
     """The built-in tools plus the team's: three HTTP tools, the MCP server's tools and the stdio server's
     `where` (imported from their tools/list; the operator marks them READ_ONLY, else each call would wait
     for an approval). `where` gets the team's token in its environment, by handle."""
@@ -119,13 +118,12 @@ def register_team_tools(system: TetherSystem, mcp_server: RunningMcpServer, stdi
             http_tool("team_ticket", f"{base}/team/ticket", idempotent=False)]
     team += tool_specs_from_mcp(mcp_server.url, list_mcp_tools(mcp_server.url), prefix="demo_",
                                 risk_class=RiskClass.READ_ONLY, egress=False)
-    if stdio_demo is not None:
-        server = StdioServer(command=stdio_demo.command, read_only_paths=stdio_demo.read_only_paths,
-                             env={**stdio_demo.env, "DEMO_TOKEN": "secret://team/token"})
-        declared = [t for t in list_mcp_stdio_tools(server, timeout_s=120) if t.name == "where"]
-        # A server start per call: allow for a busy machine (an answered call returns at once).
-        team += tool_specs_from_mcp_stdio(server, declared, prefix="sd_", risk_class=RiskClass.READ_ONLY,
-                                          egress=False, timeout_ms=120_000)
+    server = StdioServer(command=stdio_demo.command, read_only_paths=stdio_demo.read_only_paths,
+                         env={**stdio_demo.env, "DEMO_TOKEN": "secret://team/token"})
+    declared = [t for t in list_mcp_stdio_tools(server, timeout_s=120) if t.name == "where"]
+    # A server start per call: allow for a busy machine (an answered call returns at once).
+    team += tool_specs_from_mcp_stdio(server, declared, prefix="sd_", risk_class=RiskClass.READ_ONLY,
+                                      egress=False, timeout_ms=120_000)
     tools = builtin_tool_specs(kv_url=system.sink_urls["kv"], smtp_host="127.0.0.1", smtp_port=system.smtp_port,
                                email_from=system.config.email_from, http_allow_hosts=["127.0.0.1"]) + team
     model = system.config.model
@@ -224,8 +222,6 @@ def test_an_agent_uses_a_teams_http_tool_and_mcp_tool(tether_system, mcp_server,
 @pytest.mark.timeout(300)
 def test_an_agent_uses_a_teams_mcp_stdio_tool_run_in_the_sandbox(tether_system, stdio_demo, runs, event_log,
                                                                   pg_dsn):
-    if stdio_demo is None:
-        pytest.skip("the sandbox cannot run the stdio demo server on this machine")
     system = tether_system
     run_id = system.client.submit("[scenario:e2e-user-tools-stdio] Where does the team's server run?")
     run = runs.wait_for_end(run_id)

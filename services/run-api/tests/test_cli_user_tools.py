@@ -109,7 +109,7 @@ def stdio_demo():
     try:
         return shared_stdio_demo()
     except StdioDemoUnavailable as exc:
-        pytest.skip(f"the sandbox cannot run the demo server from this checkout: {exc}")
+        pytest.fail(f"the sandbox cannot run the demo server from this checkout: {exc}")
 
 
 def stdio_args(demo) -> list[str]:

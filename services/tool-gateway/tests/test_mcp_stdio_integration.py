@@ -45,7 +45,7 @@ def demo() -> StdioServer:
     try:
         return shared_stdio_demo()
     except StdioDemoUnavailable as exc:
-        pytest.skip(f"the sandbox cannot run the demo server from this checkout: {exc}")
+        pytest.fail(f"the sandbox cannot run the demo server from this checkout: {exc}")
 
 
 @pytest.fixture(scope="module")
