@@ -29,6 +29,11 @@ the re-delivered input may belong to an earlier link of the chain: the handler r
 whatever unfinished work the run's state records. Work started from `on_tick` holds no
 input: after a failover, the next tick re-derives it from the state.
 
+A revoke (a member joins or leaves) first hands over: the revoked partitions' running work is
+waited for (`revoke_drain_ms`) and its outcomes committed in one last transaction, so the next
+owner continues from them instead of redoing the work; queued work of those partitions never
+starts here. Lost partitions (this member's session expired) are only dropped.
+
 Work runs on `work_threads` worker threads that take it from a fair queue
 (`tether_messaging.fairqueue`): weighted deficit round-robin over the work's tenants, so a
 tenant with many runs in flight does not delay a tenant with few.
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import json
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -94,6 +100,11 @@ RESTORE_SECONDS = Histogram("tether_loop_restore_seconds", "Time to restore stat
 CARRIED = Counter(
     "tether_loop_records_carried_total",
     "Fetched records left for the next batch because the transaction's handling time ran out.",
+    ["service"],
+)
+HANDOVERS = Counter(
+    "tether_loop_handover_work_total",
+    "Finished work of revoked partitions committed before handing them over (not redone by the next owner).",
     ["service"],
 )
 
@@ -159,6 +170,16 @@ class LoopConfig:
     #: slows down instead of having its transaction rolled back by the coordinator (which
     #: fences the producer). The rest of the timeout is for the commit itself.
     transaction_handling_share: float = 0.5
+    #: When partitions are revoked (a member joins or leaves), how long the loop waits for
+    #: work of those partitions already running (a model call, a tool execution) so it can
+    #: commit the outcome before handing the partitions over; the new owner then continues from
+    #: it instead of asking again. Work not started by then is not run here; work still running
+    #: after it is given up (its input is held, so the new owner redoes it). The whole group
+    #: waits for this member's rejoin meanwhile (eager rebalancing), so keep it short.
+    revoke_drain_ms: int = 5_000
+    #: How long an abort is retried while it times out (the broker restarting) before the
+    #: process exits for its supervisor to restart it.
+    abort_retry_s: float = 120.0
     restore_timeout_s: float = 120.0
     #: False = at-least-once: outputs flushed, then offsets committed (for idempotent consumers).
     transactional: bool = True
@@ -199,6 +220,7 @@ class LoopConfig:
             # A slot set explicitly is stable; a default 0 may be shared (Deployment replicas).
             static_membership="instance_id" in settings.model_fields_set,
             transaction_timeout_ms=settings.transaction_timeout_ms,
+            revoke_drain_ms=settings.revoke_drain_ms,
             schema_registry_url=settings.schema_registry_url,
             state_dir=settings.state_dir,
             state_cache_runs=settings.state_cache_runs,
@@ -221,6 +243,10 @@ class _Work:
     origin: TP | None
     origin_offset: int | None
     fn: Callable[[], Any]
+    #: Set by a worker thread when it starts `fn` / by a revoke for work that must not start;
+    #: both under the loop's `_work_lock`, so a revoke knows exactly which work is running.
+    running: bool = False
+    cancelled: bool = False
 
 
 @dataclass
@@ -421,6 +447,12 @@ class ProcessorLoop:
         self._skip: dict[TP, tuple[int, frozenset[int]]] = {}
 
         self._work: dict[str, _Work] = {}
+        self._work_lock = threading.Lock()
+        # Set by `_shutdown` when the loop ends on an error: a revoke then only drops.
+        self._handover_ok = True
+        # An error a rebalance callback could not raise (librdkafka's callbacks surface
+        # exceptions badly); raised by `_check_fatal` right after the poll that ran it.
+        self._callback_error: FatalLoopError | None = None
         self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
         self._redeliver: list[_Finished] = []
         self._buffer: list[Message] = []
@@ -549,6 +581,8 @@ class ProcessorLoop:
             self._delivery_errors.append(err)
 
     def _check_fatal(self) -> None:
+        if self._callback_error is not None:
+            raise self._callback_error
         if self._fatal is not None:
             raise FatalLoopError(f"fatal Kafka client error: {self._fatal.str()}")
 
@@ -579,7 +613,75 @@ class ProcessorLoop:
         self._ready.set()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._drop([tp.partition for tp in partitions], "revoked")
+        gone = {tp.partition for tp in partitions}
+        # Revoked, not lost: this member still belongs to the generation, so it may commit.
+        # (Lost partitions may already be another member's: those are only dropped.)
+        if self._handover_ok and self._fatal is None and self._callback_error is None:
+            try:
+                self._hand_over(gone)
+            except FatalLoopError as exc:
+                self._callback_error = exc
+            except Exception as exc:  # noqa: BLE001 - never out of a librdkafka callback
+                self._log.error("handover_failed", error=_describe(exc), traceback=traceback.format_exc())
+        self._drop(sorted(gone), "revoked")
+
+    def _hand_over(self, gone: set[int]) -> None:
+        """Finish the revoked partitions' running work and commit its outcomes before the drop.
+
+        Without this a rebalance (a member joining, e.g. a restarted slot) threw away work in
+        flight, and the partitions' next owner did it again: a model asked twice for one step
+        (`make chaos`, duplicate_model_calls). Work queued but not started is cancelled instead
+        (the next owner starts it); work still running after `revoke_drain_ms` is given up.
+        """
+        mine = [w for w in self._work.values() if w.partition in gone]
+        redeliver = [f for f in self._redeliver if self._work_partition(f) in gone]
+        if not mine and not redeliver:
+            return
+        with self._work_lock:
+            for w in mine:
+                if not w.running:
+                    w.cancelled = True
+            waiting = {w.key for w in mine if w.running} - {f.key for f in redeliver}
+        self._redeliver = [f for f in self._redeliver if self._work_partition(f) not in gone]
+        finished = redeliver
+        others: list[_Finished] = []
+        deadline = time.monotonic() + self.config.revoke_drain_ms / 1000
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                f = self._finished.get(timeout=min(remaining, 0.05))
+            except queue.Empty:
+                continue
+            if f.key in waiting and self._is_current(f):
+                waiting.discard(f.key)
+                finished.append(f)
+            else:
+                others.append(f)  # another partition's (kept) or stale (filtered when taken)
+        self._redeliver = others + self._redeliver
+        finished = [f for f in finished if self._is_current(f)]
+        self._log.info("handover", partitions=sorted(gone), delivered=len(finished), given_up=len(waiting),
+                       not_started=sum(1 for w in mine if w.cancelled))
+        if not finished:
+            return
+        batch = _Batch(now_ms=self._clock_ms())
+        try:
+            if self._txn:
+                self._call(self._producer.begin_transaction)
+            for f in finished:
+                self._deliver(batch, f)
+            self._before_commit()
+            self._checkpoint(batch)
+            self._commit(batch)
+        except _AbortBatch as exc:
+            # Nothing of it committed: the partitions' next owner redoes the work.
+            self._log.warning("handover_aborted", error=str(exc))
+            self._abort_transaction()
+            return
+        HANDOVERS.labels(self._name).inc(len(finished))
+        # Work the outcomes started is not run here: its inputs are held in the committed
+        # checkpoint, so the next owner starts it (`_drop` forgets it).
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._drop([tp.partition for tp in partitions], "lost")
@@ -828,6 +930,12 @@ class ProcessorLoop:
             self._run_work(w)
 
     def _run_work(self, w: _Work) -> None:
+        with self._work_lock:
+            # Cancelled by a revoke, or its partition dropped since (lost, aborted restore):
+            # the partition's owner now runs it, this instance must not.
+            if w.cancelled or self._epoch.get(w.partition, 0) != w.epoch:
+                return
+            w.running = True
         try:
             self._finished.put(_Finished(w.key, w.epoch, result=w.fn()))
         except BaseException as exc:  # the processor decides what a failure means
@@ -1040,10 +1148,7 @@ class ProcessorLoop:
             raise FatalLoopError(f"at-least-once batch failed: {exc}") from exc
         self._log.warning("batch_aborted", error=str(exc))
         BATCHES.labels(self._name, "aborted").inc()
-        try:
-            self._producer.abort_transaction(30)
-        except KafkaException as err:
-            raise FatalLoopError(f"abort_transaction failed: {err.args[0].str()}") from err
+        self._abort_transaction()
         # The batch's state changes never reached the store; forget the decoded states too, in
         # case a handler changed one in place, so the replay reads the committed bytes.
         if self._store is not None:
@@ -1053,6 +1158,24 @@ class ProcessorLoop:
         for (topic, partition), offset in batch.first_offsets.items():
             if partition in self._owned:
                 self._consumer.seek(TopicPartition(topic, partition, offset))
+
+    def _abort_transaction(self) -> None:
+        """Abort the open transaction, retrying while the broker is away (a restart): an abort
+        that times out may be called again (librdkafka), and exiting on the first timeout made
+        services crash-loop through every broker restart in `make chaos`."""
+        deadline = time.monotonic() + self.config.abort_retry_s
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self._producer.abort_transaction(30)
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.fatal() or not err.retriable() or time.monotonic() > deadline:
+                    raise FatalLoopError(f"abort_transaction failed: {err.str()}") from exc
+                self._log.info("abort_retry", error=err.str(), attempt=attempt)
+                time.sleep(min(0.1 * 2**attempt, 2))
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         """Run a transactional producer call: retry retriable errors, abort the batch on
@@ -1098,6 +1221,9 @@ class ProcessorLoop:
 
     def _shutdown(self) -> None:
         # Runs in a finally: nothing here may replace the error that ended the loop.
+        # Closing the consumer revokes its partitions: after a graceful stop the revoke hands
+        # running work over (bounded by revoke_drain_ms); after an error it only drops.
+        self._handover_ok = sys.exc_info()[1] is None
         steps: list[tuple[str, Callable[[], Any]]] = []
         if self._consumer is not None:
             # A dynamic member leaves the group: its partitions move now, not after the session

@@ -72,6 +72,12 @@ class ServiceSettings(BaseSettings):
         description="Kafka transaction timeout of the loop's producer; a batch stops handling input at half of it "
         "and commits. A crashed slot that never returns stalls readers of its partitions this long.",
     )
+    revoke_drain_ms: int = Field(
+        5_000,
+        ge=0,
+        description="On a rebalance, how long the loop waits for running work of the revoked partitions to finish "
+        "and commits its outcome before handing them over (the group waits meanwhile).",
+    )
     state_dir: str | None = Field(
         None,
         description="Directory for the loop's per-run state store (an SQLite cache of the changelog, deleted at "
