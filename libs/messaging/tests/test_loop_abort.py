@@ -157,3 +157,45 @@ def test_an_aborted_batch_is_rolled_back_and_its_inputs_handled_again_exactly_on
     counters = {key.decode(): json.loads(value)["counter"] for key, value in latest.items()
                 if key.startswith(b"run-") and value is not None}
     assert counters == {f"run-{r}": INPUTS_PER_RUN for r in range(RUNS)}
+
+
+class _AbortTimesOut:
+    """A producer whose abort_transaction fails as librdkafka's does while the broker restarts."""
+
+    def __init__(self, failures: list[KafkaError]) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    def abort_transaction(self, timeout: float) -> None:
+        self.calls += 1
+        if self.failures:
+            raise loop_mod.KafkaException(self.failures.pop(0))
+
+
+def _timed_out() -> KafkaError:
+    return KafkaError(KafkaError._TIMED_OUT, "abort timed out", retriable=True)
+
+
+@pytest.mark.parametrize(
+    ("failures", "abort_retry_s", "outcome"),
+    [
+        ([_timed_out(), _timed_out()], 60.0, "aborted"),  # the broker came back: no exit
+        ([KafkaError(KafkaError._FENCED, "fenced", fatal=True)], 60.0, "exit"),  # a newer slot: exit at once
+        ([_timed_out()], -1.0, "exit"),  # still away after abort_retry_s: exit for the supervisor
+    ],
+    ids=["retried-until-the-broker-is-back", "fatal-exits-at-once", "gives-up-after-abort-retry-s"],
+)
+def test_an_abort_that_times_out_is_retried_not_fatal(failures: list[KafkaError], abort_retry_s: float,
+                                                       outcome: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop_mod.time, "sleep", lambda _s: None)
+    loop = ProcessorLoop(eos_processor.EosProcessor(Topics("unused."), 0),
+                         LoopConfig(bootstrap="127.0.0.1:1", abort_retry_s=abort_retry_s))
+    producer = _AbortTimesOut(list(failures))
+    loop._producer = producer
+    if outcome == "aborted":
+        loop._abort_transaction()
+        assert producer.calls == len(failures) + 1
+    else:
+        with pytest.raises(loop_mod.FatalLoopError, match="abort_transaction failed"):
+            loop._abort_transaction()
+        assert producer.calls == 1
