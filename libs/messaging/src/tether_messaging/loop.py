@@ -109,6 +109,10 @@ HANDOVERS = Counter(
 )
 
 
+#: Written by `headers_for` on every envelope (tether_messaging.envelopes).
+EVENT_TYPE_HEADER = "tether-event-type"
+
+
 # -- errors --------------------------------------------------------------------------------
 class FatalLoopError(Exception):
     """The loop cannot continue (producer fenced by a newer instance, fatal client error);
@@ -418,6 +422,12 @@ class ProcessorLoop:
         self._name = processor.name
         self._group = config.topics.group_id(processor.name)
         self._changelog = config.topics.changelog(processor.name)
+        # Event types the processor acts on, per topic (`EventFilter`): others are passed over
+        # by their header, undecoded.
+        self._wanted: dict[str, frozenset[bytes]] = {
+            topic: frozenset(t.encode() for t in types)
+            for topic, types in (getattr(processor, "event_types", None) or {}).items()
+        }
         self._dead_letters = config.topics.dead_letters
         self._txn = config.transactional
         self._log = log.bind(processor=processor.name, instance=config.instance_id)
@@ -981,6 +991,12 @@ class ProcessorLoop:
             elif offset not in held:
                 # Handled in a committed transaction before a failover; only held inputs replay.
                 RECORDS.labels(self._name, m.topic(), "skipped_replay").inc()
+                return
+        wanted = self._wanted.get(m.topic())
+        if wanted is not None:
+            event_type = next((v for k, v in m.headers() or () if k == EVENT_TYPE_HEADER), None)
+            if event_type is not None and event_type not in wanted:
+                RECORDS.labels(self._name, m.topic(), "passed_over").inc()
                 return
         try:
             envelope = self._codec.decode_value(m.value() or b"")

@@ -8,7 +8,7 @@ emitted records, per-run state checkpoints, and the input offsets.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -134,6 +134,22 @@ class Processor(Protocol):
     def on_tick(self, ctx: "TickContext") -> None:
         """Called periodically (about once a second) for timers such as approval expiry."""
         ...
+
+
+class EventFilter(Protocol):
+    """What a processor that acts on a few event types adds to `Processor` (optional).
+
+    The run event log carries every service's events; decoding the ones a service ignores cost
+    the approval service ≈ 40% of its CPU in the bench. With `event_types` the loop reads a
+    record's `tether-event-type` header and passes over (without decoding, dead-lettering or
+    calling `handle`) the records of a listed topic whose type is not in the topic's set; a
+    record without the header (another writer's) is decoded and handled as before. Offsets and
+    replay bookkeeping are unchanged: a passed-over record counts as handled.
+    """
+
+    #: Topic → the Avro names (`AVRO_NAME`) of the payloads `handle` acts on. Topics not listed
+    #: are handled in full.
+    event_types: Mapping[str, frozenset[str]]
 
 
 class RunTimers(Protocol):

@@ -34,6 +34,9 @@ class ApprovalProcessor:
         self.deps = deps
         self.inputs = (deps.topics.run_events, deps.topics.commands)
         self._tables = {deps.topics.run_events: RUN_EVENT_HANDLERS, deps.topics.commands: COMMAND_HANDLERS}
+        # Every other event on these topics belongs to another service: the loop passes over
+        # them by their type header instead of decoding them (tether_messaging.processor.EventFilter).
+        self.event_types = {topic: frozenset(cls.AVRO_NAME for cls in table) for topic, table in self._tables.items()}
 
     def handle(self, msg: Inbound, ctx: Context) -> None:
         table = self._tables.get(msg.topic)

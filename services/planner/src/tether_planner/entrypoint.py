@@ -24,6 +24,8 @@ class PlannerProcessor:
     def __init__(self, deps: Deps) -> None:
         self.deps = deps
         self.inputs = (deps.topics.run_events,)
+        # The events no handler acts on are passed over by their type header, undecoded.
+        self.event_types = {deps.topics.run_events: frozenset(cls.AVRO_NAME for cls in HANDLERS)}
 
     def handle(self, msg: Inbound, ctx: Context) -> None:
         handler = HANDLERS.get(type(msg.payload))

@@ -43,6 +43,9 @@ class GatewayProcessor:
     def __init__(self, deps: Deps, *, sweep_interval_ms: int = 5_000, sweep_limit: int = 100) -> None:
         self.deps = deps
         self.inputs: Sequence[str] = [deps.topics.run_events]
+        # Run events no handler acts on (StepGranted, ModelCallCompleted, ...) are passed over by
+        # their type header, undecoded (tether_messaging.processor.EventFilter).
+        self.event_types = {deps.topics.run_events: frozenset(cls.AVRO_NAME for cls in HANDLERS)}
         self.state_codec = PydanticStateCodec(RunState)
         self._sweep_interval_ms = sweep_interval_ms
         self._sweep_limit = sweep_limit
