@@ -426,3 +426,27 @@ def test_cli_serves_the_scenarios_and_logs_requests(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
     assert read_request_log(log)[0]["scenario"] == "demo"
+
+
+def test_connections_are_kept_alive_like_a_real_providers(server: ModelServer) -> None:
+    """One connection serves a client's successive calls, an unknown route's body included
+    (an unread body would be taken for the next request)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    body = json.dumps({"model": "tether-scripted", "messages": [user("hello")]})
+    answers = []
+    sockets = []
+    try:
+        for path in (f"{url.path}/chat/completions", f"{url.path}/no-such-route", f"{url.path}/chat/completions"):
+            conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            answers.append((response.status, response.will_close))
+            json.loads(response.read())
+            sockets.append(conn.sock)
+    finally:
+        conn.close()
+    assert answers == [(200, False), (404, False), (200, False)]
+    assert sockets[0] is not None and all(s is sockets[0] for s in sockets), "a new connection per request"

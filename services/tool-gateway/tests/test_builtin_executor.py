@@ -202,3 +202,41 @@ def test_http_get_sends_secret_headers_resolved_at_execution_time():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_kv_calls_share_kept_alive_connections_but_never_cookies():
+    """The KV tools share one connection pool (a client per call cost ≈ 20% of the gateway's CPU);
+    a cookie the store sets must not ride along on any later call (another run's, another tenant's)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[tuple[int, str | None]] = []
+
+    class CookieSettingKv(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive
+
+        def do_GET(self):  # noqa: N802 - stdlib name
+            seen.append((self.client_address[1], self.headers.get("Cookie")))
+            body = json.dumps({"value": len(seen), "version": 1}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Set-Cookie", "session=tenant-a-secret; Path=/")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), CookieSettingKv)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        spec = kv_get_spec(f"http://127.0.0.1:{server.server_address[1]}")
+        answers = [run(spec, {"key": "a"}, idem_key=str(n) * 64)["value"] for n in range(3)]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert answers == [1, 2, 3]
+    assert [cookie for _, cookie in seen] == [None, None, None]
+    assert len({port for port, _ in seen}) == 1, f"a new connection per call: {seen}"
