@@ -100,7 +100,7 @@ class ToolSpec(AvroRecord):
     risk_class: RiskClass = Field(description="READ_ONLY runs freely; WRITE runs logged; IRREVERSIBLE (money, deletion, contacting people) needs approval.")
     idempotent: bool = Field(description="True if re-running the call with the same idempotency key is safe; false means OutcomeUnknown after a crash.")
     untrusted_source: bool = Field(description="True if the tool's output is untrusted content (web pages, emails, documents); reading it taints the run.")
-    executor_kind: str = Field(description="Which executor runs the tool: 'builtin', 'http', 'mcp', 'sandbox'.")
+    executor_kind: str = Field(description="Which executor runs the tool: 'builtin', 'http', 'mcp' (MCP over HTTP), 'mcp_stdio' (an MCP server run in the sandbox), 'sandbox'.")
     executor_config_json: str = Field('{}', description="Executor configuration as JSON text (URL, built-in name, ...). Holds secret names, never values.")
     timeout_ms: int = Field(30000, description="Execution timeout; the gateway reports a tool error past it.")
     pollable: bool = Field(False, description="True for status-polling tools, exempt from repeat detection within a poll budget.")
