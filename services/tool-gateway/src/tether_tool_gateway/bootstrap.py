@@ -58,7 +58,9 @@ class Gateway:
 
     def open(self) -> None:
         """Connect to PostgreSQL and create the ledger and blob schemas if missing; probe the sandbox."""
-        self.pool.open(wait=True, timeout=30)
+        # Short: start-up retries this (wait_for_dependency) and checks for a SIGTERM between
+        # attempts, so a stop during a PostgreSQL outage is honoured within seconds, not 30.
+        self.pool.open(wait=True, timeout=5)
         self.ledger.ensure_schema()
         self.blobs.ensure_schema()
         if self.sandbox is not None:
