@@ -145,3 +145,56 @@ def test_a_member_joining_does_not_make_running_work_run_twice(kafka_bootstrap: 
     else:
         # The old behaviour: the work of every partition that moved ran again on its new owner.
         assert moved and all(calls[key] == 2 for key in moved), (moved, calls)
+
+
+@pytest.mark.integration
+def test_a_graceful_stop_hands_running_work_over(kafka_bootstrap: str, topic_prefix: str) -> None:
+    """SIGTERM's path: stopping the loop closes the consumer, which revokes; the running work's
+    outcome is committed before the process goes, so the next instance does not redo it."""
+    topics = Topics(topic_prefix)
+    declare_topics(kafka_bootstrap, PARTITIONS, [eos_processor.NAME], prefix=topic_prefix)
+    calls: Counter = Counter()
+    running: set = set()
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def member() -> ProcessorLoop:
+        # The same slot twice (a restart), static so the close does not leave the group.
+        return ProcessorLoop(CountingProcessor(topics, calls, running, lock),
+                             LoopConfig(bootstrap=kafka_bootstrap, topics=topics, instance_id=0,
+                                        static_membership=True, revoke_drain_ms=30_000))
+
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    first_stop, second_stop = threading.Event(), threading.Event()
+    first = member()
+    thread = _start(first, first_stop, errors)
+    _wait(lambda: first.ready or errors, 60, "the first life's assignment")
+    _produce(producer, topics.commands, range(1, 8))
+    _wait(lambda: len(running) == PARTITIONS or errors, 60, "the work to start")
+    first_stop.set()  # what the SIGTERM handler does
+    thread.join(60)
+    assert not thread.is_alive() and not errors, errors
+    assert not running, "the stop did not wait for the running work"
+
+    second = member()
+    thread = _start(second, second_stop, errors)
+    reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{topic_prefix}reader",
+                       "isolation.level": "read_committed", "enable.auto.commit": False})
+    reader.assign([TopicPartition(topics.run_events, p, 0) for p in range(PARTITIONS)])
+    outputs: dict[str, list[int]] = defaultdict(list)
+    try:
+        _wait(lambda: second.ready or errors, 60, "the second life's assignment")
+        _produce(producer, topics.commands, range(8, INPUTS + 1))
+        deadline = time.monotonic() + 90
+        while sum(map(len, outputs.values())) < PARTITIONS * INPUTS and time.monotonic() < deadline:
+            msg = reader.poll(0.2)
+            if msg is not None and not msg.error():
+                env = decode_envelope(msg.value())
+                outputs[env.run_id].append(open_payload(env).step)
+    finally:
+        second_stop.set()
+        thread.join(60)
+        reader.close()
+    assert not errors, errors
+    assert dict(outputs) == {f"p{p}": list(range(1, INPUTS + 1)) for p in range(PARTITIONS)}
+    assert calls == Counter({f"p{p}:7": 1 for p in range(PARTITIONS)}), calls
