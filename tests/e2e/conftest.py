@@ -10,11 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from tether_api.v1 import run_service_pb2 as runs_pb
 from tether_contracts.records import Envelope
-from tether_messaging.serde import decode_envelope
+from tether_messaging.logreader import read_to_end
 from tether_testing.system import SystemConfig, TetherSystem
 
 #: Few partitions: the tests need a real multi-partition log, not throughput, on a small machine.
@@ -73,40 +72,12 @@ class EventLog:
         self.topic = system.names.topics.run_events
 
     def read_all(self, timeout_s: float = 60.0) -> list[tuple[int, int, Envelope]]:
-        """(partition, offset, envelope) of every committed record, up to each partition's end."""
-        consumer = Consumer({
-            "bootstrap.servers": self.system.config.kafka_bootstrap,
-            "group.id": f"{self.topic}.e2e-auditor",
-            "isolation.level": "read_committed",
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
-        })
-        try:
-            partitions = range(self.system.config.partitions)
-            consumer.assign([TopicPartition(self.topic, p, 0) for p in partitions])
-            # Committed transactions only: stop at each partition's end as the broker reports it now.
-            ends = {p: consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)[1] for p in partitions}
-            out: list[tuple[int, int, Envelope]] = []
-            done = {p for p, end in ends.items() if end == 0}
-            deadline = time.monotonic() + timeout_s
-            while len(done) < len(ends):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the log of {self.topic} was not read to its end {ends}")
-                msg = consumer.poll(0.5)
-                if msg is None:
-                    continue
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
-                        if msg.offset() >= ends[msg.partition()]:
-                            done.add(msg.partition())
-                        continue
-                    raise RuntimeError(msg.error().str())
-                out.append((msg.partition(), msg.offset(), decode_envelope(msg.value())))
-                if msg.offset() + 1 >= ends[msg.partition()]:
-                    done.add(msg.partition())
-            return out
-        finally:
-            consumer.close()
+        """(partition, offset, envelope) of every committed record, up to each partition's end
+        as the broker reports it when reading begins (`tether_messaging.logreader`, the reader
+        `tether audit verify` and the chaos checker use)."""
+        records = read_to_end(self.system.config.kafka_bootstrap, self.topic, timeout_s=timeout_s,
+                              group_prefix=f"{self.topic}.e2e-auditor")
+        return [(r.partition, r.offset, r.envelope) for r in records]
 
     def run(self, run_id: str) -> list[Envelope]:
         """The run's events in log order."""

@@ -6,7 +6,7 @@ latency, instant kv_put tools) with tenants created here with limits (docs/tenan
 The load test's size is a parameter: TETHER_E2E_LOAD_RUNS (default 2,000, what fits the CI
 time budget on a 2-core machine) and TETHER_E2E_LOAD_CONCURRENT (the tenant's concurrency cap,
 default 200); `TETHER_E2E_LOAD_RUNS=10000 pytest tests/e2e/test_tenancy.py -k load` runs the
-issue's 10,000 (about 10 minutes here).
+issue's 10,000 (about 7 minutes here; its time limit grows with the size).
 """
 
 from __future__ import annotations
@@ -407,6 +407,8 @@ def submit_held(client: ApiClient) -> tuple[str, str]:
     raise AssertionError("unreachable")
 
 
+# pytest's default 600 s fits the default size; the issue's 10,000 takes ~7 minutes here, longer on a busy machine.
+@pytest.mark.timeout(max(600, LOAD_RUNS // 3))
 def test_many_concurrent_runs_stay_bounded_and_overload_is_resource_exhausted(system: TetherSystem) -> None:
     # Every run asks for an approval in step 1 and parks there (holding no thread), so the runs
     # stay in the system until the test approves them: half of the submits fill the tenant's
