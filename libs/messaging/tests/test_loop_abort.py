@@ -199,3 +199,21 @@ def test_an_abort_that_times_out_is_retried_not_fatal(failures: list[KafkaError]
         with pytest.raises(loop_mod.FatalLoopError, match="abort_transaction failed"):
             loop._abort_transaction()
         assert producer.calls == 1
+
+
+@pytest.mark.parametrize(("call_s", "exits"), [(1.5, True), (0.05, False)], ids=["hung", "in-time"])
+def test_a_hung_transactional_call_ends_the_process(call_s: float, exits: bool) -> None:
+    """librdkafka can block in commit_transaction past its timeout (after a broker restart): the
+    watchdog ends the process, as a SIGKILL would, instead of letting the slot hold its runs."""
+    loop = ProcessorLoop(eos_processor.EosProcessor(Topics("unused."), 0),
+                         LoopConfig(bootstrap="127.0.0.1:1", txn_call_hang_s=0.4))
+    codes: list[int] = []
+    exited = threading.Event()
+    loop._hard_exit = lambda code: (codes.append(code), exited.set())
+    loop._start_watchdog()
+    try:
+        loop._call(lambda: exited.wait(call_s))  # a transactional call that takes call_s
+        time.sleep(0.6)  # longer than the limit: a finished call must not count
+    finally:
+        loop._watchdog_stop.set()
+    assert codes == ([1] if exits else [])

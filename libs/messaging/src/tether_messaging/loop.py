@@ -42,12 +42,14 @@ tenant with many runs in flight does not delay a tenant with few.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -184,6 +186,13 @@ class LoopConfig:
     #: How long an abort is retried while it times out (the broker restarting) before the
     #: process exits for its supervisor to restart it.
     abort_retry_s: float = 120.0
+    #: A transactional producer call (begin, send offsets, commit, abort) that has not returned
+    #: after this long is hung, and the process exits at once, as if killed: its successor's
+    #: init_transactions fences it and aborts what was open. librdkafka can block in
+    #: commit_transaction well past the timeout it is given after a broker restart (a `make
+    #: chaos` approval slot sat in one for 10 minutes, holding its partitions' runs); a healthy
+    #: call returns within its 30 s timeout.
+    txn_call_hang_s: float = 120.0
     restore_timeout_s: float = 120.0
     #: False = at-least-once: outputs flushed, then offsets committed (for idempotent consumers).
     transactional: bool = True
@@ -463,6 +472,10 @@ class ProcessorLoop:
         # An error a rebalance callback could not raise (librdkafka's callbacks surface
         # exceptions badly); raised by `_check_fatal` right after the poll that ran it.
         self._callback_error: FatalLoopError | None = None
+        # When the transactional call in progress began (None: none is); read by the watchdog.
+        self._txn_call_started: float | None = None
+        self._watchdog_stop = threading.Event()
+        self._hard_exit: Callable[[int], None] = os._exit  # tests replace it
         self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
         self._redeliver: list[_Finished] = []
         self._buffer: list[Message] = []
@@ -500,6 +513,8 @@ class ProcessorLoop:
             # the executor's threads), so a graceful stop does not cut a tool call in half.
             # `_shutdown` (below, always) closes the queue, which ends them.
             threading.Thread(target=self._work_thread, name=f"{self._name}-work-{i}").start()
+        if self._txn:
+            self._start_watchdog()
         try:
             if self._txn:
                 # Fences any earlier incarnation of this slot and aborts its open transaction,
@@ -1184,7 +1199,8 @@ class ProcessorLoop:
         while True:
             attempt += 1
             try:
-                self._producer.abort_transaction(30)
+                with self._watched():
+                    self._producer.abort_transaction(30)
                 return
             except KafkaException as exc:
                 err = exc.args[0]
@@ -1198,7 +1214,8 @@ class ProcessorLoop:
         abortable ones, exit on fatal ones (fenced by a newer instance of this slot)."""
         for attempt in range(1, 11):
             try:
-                return fn()
+                with self._watched():
+                    return fn()
             except KafkaException as exc:
                 err = exc.args[0]
                 if err.fatal():
@@ -1211,6 +1228,30 @@ class ProcessorLoop:
                     continue
                 raise FatalLoopError(f"transaction error: {err.str()}") from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    @contextmanager
+    def _watched(self) -> Iterator[None]:
+        """Mark a transactional call in progress for the watchdog."""
+        self._txn_call_started = time.monotonic()
+        try:
+            yield
+        finally:
+            self._txn_call_started = None
+
+    def _start_watchdog(self) -> None:
+        def watch() -> None:
+            limit = self.config.txn_call_hang_s
+            while not self._watchdog_stop.wait(min(1.0, limit / 4)):
+                started = self._txn_call_started
+                if started is not None and time.monotonic() - started > limit:
+                    # The call is stuck inside librdkafka, holding the loop thread: no exception
+                    # can reach it. Exiting is what a SIGKILL does, which the loop recovers from.
+                    self._log.critical("transactional_call_hung", seconds=round(time.monotonic() - started, 1),
+                                       limit_s=limit, transactional_id=self.transactional_id)
+                    self._hard_exit(1)
+                    return
+
+        threading.Thread(target=watch, name=f"{self._name}-txn-watchdog", daemon=True).start()
 
     def _produce(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
                  headers: list[tuple[str, bytes]] | None) -> None:
@@ -1261,6 +1302,7 @@ class ProcessorLoop:
                 step()
             except Exception as exc:
                 self._log.warning("shutdown_step_failed", step=what, error=_describe(exc))
+        self._watchdog_stop.set()
         self._log.info("loop_stopped")
 
 
