@@ -79,6 +79,32 @@ def _start(loop: ProcessorLoop, stop: threading.Event, errors: list) -> threadin
     return thread
 
 
+def _reader(kafka_bootstrap: str, topic_prefix: str, topics: Topics) -> Consumer:
+    """A read_committed reader of every partition of the outputs, from the start."""
+    reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{topic_prefix}reader",
+                       "isolation.level": "read_committed", "enable.auto.commit": False})
+    reader.assign([TopicPartition(topics.run_events, p, 0) for p in range(PARTITIONS)])
+    return reader
+
+
+def _read_outputs(reader: Consumer, outputs: dict[str, list[int]], linger_s: float = 0.0) -> None:
+    """Read outputs (run id → steps) until every run's INPUTS are in (90 s at most), then
+    `linger_s` longer and whatever is still there."""
+
+    def take(msg) -> None:  # noqa: ANN001
+        if msg is not None and not msg.error():
+            env = decode_envelope(msg.value())
+            outputs[env.run_id].append(open_payload(env).step)
+
+    deadline = time.monotonic() + 90
+    while sum(map(len, outputs.values())) < PARTITIONS * INPUTS and time.monotonic() < deadline:
+        take(reader.poll(0.2))
+    if linger_s:
+        time.sleep(linger_s)
+        while (msg := reader.poll(0.2)) is not None:
+            take(msg)
+
+
 def _wait(condition, timeout_s: float, what: str) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -107,9 +133,7 @@ def test_a_member_joining_does_not_make_running_work_run_twice(kafka_bootstrap: 
     first, second = member(0), member(1)
     threads = [_start(first, stop, errors)]
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
-    reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{topic_prefix}reader",
-                       "isolation.level": "read_committed", "enable.auto.commit": False})
-    reader.assign([TopicPartition(topics.run_events, p, 0) for p in range(PARTITIONS)])
+    reader = _reader(kafka_bootstrap, topic_prefix, topics)
     outputs: dict[str, list[int]] = defaultdict(list)
     try:
         _wait(lambda: first.ready or errors, 60, "the first member's assignment")
@@ -119,17 +143,7 @@ def test_a_member_joining_does_not_make_running_work_run_twice(kafka_bootstrap: 
         threads.append(_start(second, stop, errors))
         _wait(lambda: second.ready or errors, 60, "the second member's assignment")
         _produce(producer, topics.commands, range(8, INPUTS + 1))
-        deadline = time.monotonic() + 90
-        while sum(map(len, outputs.values())) < PARTITIONS * INPUTS and time.monotonic() < deadline:
-            msg = reader.poll(0.2)
-            if msg is not None and not msg.error():
-                env = decode_envelope(msg.value())
-                outputs[env.run_id].append(open_payload(env).step)
-        time.sleep(1.0)  # a late duplicate output would show up in this window
-        while (msg := reader.poll(0.2)) is not None:
-            if not msg.error():
-                env = decode_envelope(msg.value())
-                outputs[env.run_id].append(open_payload(env).step)
+        _read_outputs(reader, outputs, linger_s=1.0)  # a late duplicate output would show up in the linger
     finally:
         stop.set()
         for thread in threads:
@@ -178,19 +192,12 @@ def test_a_graceful_stop_hands_running_work_over(kafka_bootstrap: str, topic_pre
 
     second = member()
     thread = _start(second, second_stop, errors)
-    reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{topic_prefix}reader",
-                       "isolation.level": "read_committed", "enable.auto.commit": False})
-    reader.assign([TopicPartition(topics.run_events, p, 0) for p in range(PARTITIONS)])
+    reader = _reader(kafka_bootstrap, topic_prefix, topics)
     outputs: dict[str, list[int]] = defaultdict(list)
     try:
         _wait(lambda: second.ready or errors, 60, "the second life's assignment")
         _produce(producer, topics.commands, range(8, INPUTS + 1))
-        deadline = time.monotonic() + 90
-        while sum(map(len, outputs.values())) < PARTITIONS * INPUTS and time.monotonic() < deadline:
-            msg = reader.poll(0.2)
-            if msg is not None and not msg.error():
-                env = decode_envelope(msg.value())
-                outputs[env.run_id].append(open_payload(env).step)
+        _read_outputs(reader, outputs)
     finally:
         second_stop.set()
         thread.join(60)
