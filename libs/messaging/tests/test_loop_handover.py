@@ -79,6 +79,14 @@ def _start(loop: ProcessorLoop, stop: threading.Event, errors: list) -> threadin
     return thread
 
 
+def _setup(kafka_bootstrap: str, topic_prefix: str) -> tuple[Topics, Counter, set, threading.Lock, list]:
+    """The test's topics, and what its processors share: work calls per key, the keys running, their
+    lock, and the errors the loops raised."""
+    topics = Topics(topic_prefix)
+    declare_topics(kafka_bootstrap, PARTITIONS, [eos_processor.NAME], prefix=topic_prefix)
+    return topics, Counter(), set(), threading.Lock(), []
+
+
 def _reader(kafka_bootstrap: str, topic_prefix: str, topics: Topics) -> Consumer:
     """A read_committed reader of every partition of the outputs, from the start."""
     reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{topic_prefix}reader",
@@ -117,12 +125,7 @@ def _wait(condition, timeout_s: float, what: str) -> None:  # noqa: ANN001
                          ids=["hand-over", "give-up-at-once"])
 def test_a_member_joining_does_not_make_running_work_run_twice(kafka_bootstrap: str, topic_prefix: str,
                                                                revoke_drain_ms: int, handed_over: bool) -> None:
-    topics = Topics(topic_prefix)
-    declare_topics(kafka_bootstrap, PARTITIONS, [eos_processor.NAME], prefix=topic_prefix)
-    calls: Counter = Counter()
-    running: set = set()
-    lock = threading.Lock()
-    errors: list[BaseException] = []
+    topics, calls, running, lock, errors = _setup(kafka_bootstrap, topic_prefix)
     stop = threading.Event()
 
     def member(instance: int) -> ProcessorLoop:
@@ -165,12 +168,7 @@ def test_a_member_joining_does_not_make_running_work_run_twice(kafka_bootstrap: 
 def test_a_graceful_stop_hands_running_work_over(kafka_bootstrap: str, topic_prefix: str) -> None:
     """SIGTERM's path: stopping the loop closes the consumer, which revokes; the running work's
     outcome is committed before the process goes, so the next instance does not redo it."""
-    topics = Topics(topic_prefix)
-    declare_topics(kafka_bootstrap, PARTITIONS, [eos_processor.NAME], prefix=topic_prefix)
-    calls: Counter = Counter()
-    running: set = set()
-    lock = threading.Lock()
-    errors: list[BaseException] = []
+    topics, calls, running, lock, errors = _setup(kafka_bootstrap, topic_prefix)
 
     def member() -> ProcessorLoop:
         # The same slot twice (a restart), static so the close does not leave the group.
