@@ -45,6 +45,7 @@ from tether_bench.common import (
     rounded,
     rss_kb,
 )
+from tether_bench.hops import Snapshot, hop_means, scrape
 from tether_bench.heap import consumer_lag, heap_growth, marginal_kb_per_run, mb_per_10k, request_snapshots
 from tether_bench.load import ApproverBot, ClosedLoop, make_tenants, submit_until_accepted
 from tether_bench.observer import LogObserver, Seen
@@ -240,7 +241,9 @@ class Bench:
         """A light load (a few runs in flight): the platform's own time per step and submit → first
         event, without the queueing a saturated pipeline adds."""
         seconds = self.scaled(self.s.light_s)
+        hops_before = self._scrape_hops()
         driver, (start, end) = self.closed_loop([self.fast], self.s.light_concurrency, seconds)
+        hops_after = self._scrape_hops()
         runs = self.observer.snapshot()
         figures = throughput(all_steps(runs, driver.submitted), (start, end))
         latencies = submit_to_first_event({r: s.submit_start_ms for r, s in driver.submitted.items()}, runs)
@@ -248,7 +251,13 @@ class Bench:
         figures["submit_to_first_event_ms_p99"] = rounded(percentile(latencies, 99), 1)
         figures["runs"] = len(driver.submitted)
         figures["concurrency"] = self.s.light_concurrency
+        # Means over the phase of the loop's hop histograms, per service (tether_bench.hops).
+        figures["loop_ms_mean"] = hop_means(hops_before, hops_after)
         self.results["light"] = figures
+
+    def _scrape_hops(self) -> dict[str, Snapshot]:
+        return {name: scrape(self.system.processes[name].health_url.rsplit("/", 1)[0] + "/metrics")
+                for name in CHANGELOG_SERVICES if name in self.system.processes}
 
     def phase_latency(self) -> None:
         seconds = self.scaled(self.s.latency_s)

@@ -168,3 +168,24 @@ def test_only_an_explicitly_set_slot_makes_the_loop_a_static_member(monkeypatch:
     loop = ProcessorLoop(stateless, config)
     assert loop.group_instance_id == loop.transactional_id == "p.eos-3"
     assert loop._consumer_config()["group.instance.id"] == "p.eos-3"
+
+
+def _producer_conf(config: LoopConfig) -> dict:
+    stateless = eos_processor.EosProcessor(config.topics, work_sleep_ms=0)
+    stateless.state_codec = None  # no state store: nothing to open or clean up
+    return ProcessorLoop(stateless, config)._producer_config()
+
+
+def test_the_loop_producer_retries_after_a_short_backoff_a_service_can_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Back-to-back transactions meet CONCURRENT_TRANSACTIONS while the last one's markers are
+    # written; each retry waits retry.backoff.ms (librdkafka: 100 ms). Measured, not asserted
+    # here: libs/messaging/bench/hop_latency.py, docs/benchmarks.md.
+    monkeypatch.setenv("TETHER_TOPIC_PREFIX", "p.")
+    monkeypatch.delenv("TETHER_EOS_KAFKA_RETRY_BACKOFF_MS", raising=False)
+    default = _producer_conf(LoopConfig.from_settings(eos_processor.EosSettings()))
+    assert default["retry.backoff.ms"] == 5 and "transactional.id" in default
+    monkeypatch.setenv("TETHER_EOS_KAFKA_RETRY_BACKOFF_MS", "20")
+    assert _producer_conf(LoopConfig.from_settings(eos_processor.EosSettings()))["retry.backoff.ms"] == 20
+    # An explicit librdkafka override still wins.
+    config = LoopConfig.from_settings(eos_processor.EosSettings(), producer_overrides={"retry.backoff.ms": 50})
+    assert _producer_conf(config)["retry.backoff.ms"] == 50

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
+from prometheus_client import REGISTRY
 
 from tether_contracts.records import Remaining, StepGranted
 from tether_messaging.admin import declare_topics
@@ -49,6 +50,12 @@ class SlowEcho:
         return
 
 
+def _hop_counts(service: str) -> dict[str, float]:
+    names = ("input_age", "handle", "commit", "work_start", "work_deliver")
+    return {n: REGISTRY.get_sample_value(f"tether_loop_{n}_seconds_count", {"service": service}) or 0.0
+            for n in names}
+
+
 def _produce(producer: Producer, topic: str, n: int) -> None:
     env = make_envelope(StepGranted(step=n, remaining=REMAINING), run_id=f"run-{n}", tenant_id="t",
                         event_id=f"in:{n}", producer="test", recorded_at_ms=0)
@@ -73,6 +80,7 @@ def test_finished_work_is_delivered_while_the_loop_waits_in_a_long_poll(kafka_bo
             errors.append(exc)
 
     thread = threading.Thread(target=run)
+    counts_before = _hop_counts("wake")
     thread.start()
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
     reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{topic_prefix}reader",
@@ -102,3 +110,9 @@ def test_finished_work_is_delivered_while_the_loop_waits_in_a_long_poll(kafka_bo
     assert not errors, errors
     assert not thread.is_alive()
     assert outputs == ["in:1"], "the finished work waited for the loop's next input or tick"
+    # The hop's time was recorded piece by piece (docs/loop.md, "Latency of a hop"): the input's
+    # age when taken, the handling and commit of both batches, the work's wait for a worker
+    # and the wait for its delivery.
+    counts = {k: v - counts_before[k] for k, v in _hop_counts("wake").items()}
+    assert counts["input_age"] >= 1 and counts["work_start"] == 1 and counts["work_deliver"] == 1, counts
+    assert counts["handle"] >= 2 and counts["commit"] >= 2, counts

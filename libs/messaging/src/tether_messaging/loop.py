@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import structlog
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import TIMESTAMP_CREATE_TIME, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from prometheus_client import Counter, Gauge, Histogram
 
 from tether_contracts.base import AvroRecord
@@ -92,6 +92,35 @@ COMMIT_SECONDS = Histogram(
     "Latency of send_offsets + commit of a batch transaction.",
     ["service"],
     buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+)
+#: Where a hop's time goes (docs/loop.md, "Latency of a hop"): input age (upstream commit,
+#: read_committed visibility, fetch), handling, commit, and for work the wait for a worker
+#: thread and the wait for the loop to deliver the result.
+_HOP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+INPUT_AGE_SECONDS = Histogram(
+    "tether_loop_input_age_seconds",
+    "From an input record's producer timestamp to the loop taking it into a batch: the upstream "
+    "commit, read_committed visibility and the fetch (includes clock skew between hosts).",
+    ["service"],
+    buckets=_HOP_BUCKETS,
+)
+HANDLE_SECONDS = Histogram(
+    "tether_loop_handle_seconds",
+    "A batch from begin_transaction to before its commit: delivering work, handlers, tick, checkpoint.",
+    ["service"],
+    buckets=_HOP_BUCKETS,
+)
+WORK_START_SECONDS = Histogram(
+    "tether_loop_work_start_seconds",
+    "From the commit of the batch that decided a piece of work to a worker thread starting it.",
+    ["service"],
+    buckets=_HOP_BUCKETS,
+)
+WORK_DELIVER_SECONDS = Histogram(
+    "tether_loop_work_deliver_seconds",
+    "From a piece of work finishing to the start of the batch that delivers its result.",
+    ["service"],
+    buckets=_HOP_BUCKETS,
 )
 DEAD_LETTERS = Counter("tether_loop_dead_letters_total", "Records sent to the dead-letter topic.", ["service", "reason"])
 WORK_IN_FLIGHT = Gauge("tether_loop_work_in_flight", "Work started and not yet delivered back.", ["service"])
@@ -183,6 +212,8 @@ class LoopConfig:
     #: after it is given up (its input is held, so the new owner redoes it). The whole group
     #: waits for this member's rejoin meanwhile (eager rebalancing), so keep it short.
     revoke_drain_ms: int = 5_000
+    #: First backoff of a retried Kafka request of the transactional producer (see _producer_config).
+    retry_backoff_ms: int = 5
     #: How long an abort is retried while it times out (the broker restarting) before the
     #: process exits for its supervisor to restart it.
     abort_retry_s: float = 120.0
@@ -234,6 +265,7 @@ class LoopConfig:
             static_membership="instance_id" in settings.model_fields_set,
             transaction_timeout_ms=settings.transaction_timeout_ms,
             revoke_drain_ms=settings.revoke_drain_ms,
+            retry_backoff_ms=settings.kafka_retry_backoff_ms,
             schema_registry_url=settings.schema_registry_url,
             state_dir=settings.state_dir,
             state_cache_runs=settings.state_cache_runs,
@@ -260,6 +292,8 @@ class _Work:
     #: both under the loop's `_work_lock`, so a revoke knows exactly which work is running.
     running: bool = False
     cancelled: bool = False
+    #: time.monotonic() when the deciding batch committed (for tether_loop_work_start_seconds).
+    committed_at: float = 0.0
 
 
 @dataclass
@@ -268,6 +302,7 @@ class _Finished:
     epoch: int
     result: Any = None
     error: BaseException | None = None
+    finished_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -576,14 +611,21 @@ class ProcessorLoop:
             # dozens, for half the producer's CPU (libs/messaging/bench/linger_probe.py).
             "linger.ms": 1000,
             "error_cb": self._on_client_error,
-            **cfg.producer_overrides,
         }
         if self._txn:
             conf["transactional.id"] = self.transactional_id
             conf["transaction.timeout.ms"] = cfg.transaction_timeout_ms
+            # The loop begins a transaction as soon as the last one committed, and the coordinator
+            # answers CONCURRENT_TRANSACTIONS until that one's markers are written; librdkafka retries
+            # after retry.backoff.ms, 100 ms by default: a hop's p90 was 106-125 ms back to back, 18-23
+            # ms with 5 (libs/messaging/bench/hop_latency.py; KAFKA-5477 lowered Java's to 20 ms for
+            # the same reason). Later retries of a persistent error still back off exponentially, up
+            # to retry.backoff.max.ms (1 s).
+            conf["retry.backoff.ms"] = cfg.retry_backoff_ms
         else:
             conf["acks"] = "all"
             conf["on_delivery"] = self._on_delivery
+        conf.update(cfg.producer_overrides)  # explicit librdkafka settings win
         return conf
 
     def _restorer_config(self) -> dict[str, Any]:
@@ -858,6 +900,15 @@ class ProcessorLoop:
                 self._log.warning("consume_error", error=err.str())
         return good
 
+    def _observe_arrival(self, msgs: list[Message], finished: list[_Finished]) -> None:
+        now_s, now_mono = time.time(), time.monotonic()
+        for m in msgs:
+            kind, ts_ms = m.timestamp()
+            if kind == TIMESTAMP_CREATE_TIME:
+                INPUT_AGE_SECONDS.labels(self._name).observe(max(0.0, now_s - ts_ms / 1000))
+        for f in finished:
+            WORK_DELIVER_SECONDS.labels(self._name).observe(now_mono - f.finished_at)
+
     def _take_finished(self) -> list[_Finished]:
         out, self._redeliver = self._redeliver, []
         while True:
@@ -878,6 +929,7 @@ class ProcessorLoop:
             return
 
         batch = _Batch(now_ms=self._clock_ms())
+        self._observe_arrival(msgs, finished)
         for m in msgs:
             # Where an abort rewinds to: every fetched record, handled or not, is fetched again.
             batch.first_offsets.setdefault((m.topic(), m.partition()), m.offset())
@@ -890,6 +942,7 @@ class ProcessorLoop:
         )
         carried: list[Message] = []
         try:
+            handling_started = time.monotonic()
             if self._txn:
                 self._call(self._producer.begin_transaction)
             handling_ends = self._monotonic() + (
@@ -917,6 +970,7 @@ class ProcessorLoop:
                 self._tick(batch)
             self._before_commit()
             self._checkpoint(batch)
+            HANDLE_SECONDS.labels(self._name).observe(time.monotonic() - handling_started)
             self._commit(batch)
         except _AbortBatch as exc:
             self._abort(batch, snapshot, exc)
@@ -932,7 +986,9 @@ class ProcessorLoop:
         if tick_due:
             self._next_tick = time.monotonic() + self.config.tick_interval_ms / 1000
         # Committed: only now may the decided work start (in fair order across tenants).
+        committed_at = time.monotonic()
         for w in batch.starts:
+            w.committed_at = committed_at
             self._pool.put(w.tenant_id, w)
         WORK_IN_FLIGHT.labels(self._name).set(len(self._work))
         WORK_WAITING.labels(self._name).set(len(self._pool))
@@ -961,6 +1017,7 @@ class ProcessorLoop:
             if w.cancelled or self._epoch.get(w.partition, 0) != w.epoch:
                 return
             w.running = True
+        WORK_START_SECONDS.labels(self._name).observe(time.monotonic() - w.committed_at)
         try:
             self._finished.put(_Finished(w.key, w.epoch, result=w.fn()))
         except BaseException as exc:  # the processor decides what a failure means

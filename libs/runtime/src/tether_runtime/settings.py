@@ -78,6 +78,13 @@ class ServiceSettings(BaseSettings):
         description="On a rebalance, how long the loop waits for running work of the revoked partitions to finish "
         "and commits its outcome before handing them over (the group waits meanwhile).",
     )
+    kafka_retry_backoff_ms: int = Field(
+        5,
+        ge=1,
+        le=1_000,
+        description="First backoff of the loop producer's retried Kafka requests (librdkafka retry.backoff.ms; later "
+        "retries double up to 1 s). Short, so back-to-back transactions do not wait 100 ms on CONCURRENT_TRANSACTIONS.",
+    )
     state_dir: str | None = Field(
         None,
         description="Directory for the loop's per-run state store (an SQLite cache of the changelog, deleted at "
