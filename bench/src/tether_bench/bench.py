@@ -1,6 +1,7 @@
 """`make bench`: Tether's six services on the local stack under a scripted load; prints one JSON line last.
 
 Phases (all in one run, side by side on the same machine):
+  0. warm: the throughput workload, unmeasured, so the broker's JVM has compiled its hot paths;
   1. light: a few runs in flight of a zero-latency scripted agent with an instant tool (kv_get) →
      per-step platform overhead (from the log's recorded_at_ms, minus the model's and the tool's
      own durations) and submit → first event, without queueing;
@@ -70,6 +71,9 @@ class BenchSettings(BaseSettings):
     submit_threads: int = 16
     steps: int = Field(5, ge=2, description="Steps per run (model-call rounds; the last one answers).")
     warmup_s: float = 10.0
+    warm_s: float = Field(60.0, description="The `warm` phase: the throughput workload, unmeasured, so the later "
+                          "phases meet a broker whose JVM has compiled its hot paths (a freshly started one "
+                          "answers ~2.5x slower at first; docs/benchmarks.md).")
     throughput_s: float = 35.0
     light_concurrency: int = Field(4, description="Runs in flight in the light-load phase (overhead, submit latency).")
     light_s: float = 25.0
@@ -88,7 +92,7 @@ class BenchSettings(BaseSettings):
     park_heap: bool = Field(False, description="Trace the services' heaps (tracemalloc) from the first level on and "
                             "report what grew per parked run by allocation site (the second RSS reading then "
                             "includes tracemalloc's own memory, so the RSS slope is not meaningful).")
-    phases: str = Field("light,throughput,latency,peer,recovery,park", description="Which phases to run.")
+    phases: str = Field("warm,light,throughput,latency,peer,recovery,park", description="Which phases to run.")
     profile: bool = Field(False, description="py-spy record the six services during the throughput phase.")
     start_at: float = Field(0.0, description="Wall-clock time (Unix seconds) to begin the first phase at, once "
                             "the system is up: two benches on one machine then measure side by side, "
@@ -236,6 +240,16 @@ class Bench:
             procs.append(subprocess.Popen(["bash", "-c", cmd], stdout=subprocess.DEVNULL,
                                           stderr=open(self.workdir / f"profile-{name}.log", "w")))
         return procs
+
+    def phase_warm(self) -> None:
+        """The throughput workload for `warm_s`, not measured: `make bench` starts the broker when it is
+        not running, and a JVM that has just started runs Kafka's request paths interpreted until the
+        JIT compiles them (light-load overhead p50 fell 520 → 230 ms over five back-to-back light
+        phases on a restarted broker). Production brokers run warm; so should the measurement."""
+        driver, (start, end) = self.closed_loop([self.fast], self.s.concurrency, self.scaled(self.s.warm_s))
+        steps = all_steps(self.observer.snapshot(), driver.submitted)
+        self.results["warm"] = {"steps_per_s": throughput(steps, (start, end))["steps_per_s"],
+                                "runs": len(driver.submitted), "seconds": round((end - start) / 1000, 1)}
 
     def phase_light(self) -> None:
         """A light load (a few runs in flight): the platform's own time per step and submit → first
