@@ -199,7 +199,17 @@ class Bench:
         warmup, seconds = self.scaled(self.s.warmup_s), self.scaled(self.s.throughput_s)
         profilers = self._start_profilers(warmup, seconds) if self.s.profile else []
         cpu = CpuProbe(self.cpu_pids())
-        window = [threading.Timer(warmup, cpu.start), threading.Timer(warmup + seconds, cpu.stop)]
+        hops: dict[str, dict[str, Snapshot]] = {}
+
+        def window_starts() -> None:
+            cpu.start()
+            hops["before"] = self._scrape_hops()
+
+        def window_ends() -> None:
+            cpu.stop()
+            hops["after"] = self._scrape_hops()
+
+        window = [threading.Timer(warmup, window_starts), threading.Timer(warmup + seconds, window_ends)]
         for timer in window:
             timer.start()
         driver, (start, end) = self.closed_loop([self.fast], self.s.concurrency, warmup + seconds)
@@ -222,6 +232,8 @@ class Bench:
         figures["concurrency"] = self.s.concurrency
         figures["tenants"] = self.s.tenants
         figures["steps_per_run"] = self.s.steps
+        # Means over the CPU window of the loop's hop histograms, per service (tether_bench.hops).
+        figures["loop_ms_mean"] = hop_means(hops.get("before", {}), hops.get("after", {}))
         self.results["throughput"] = figures
 
     def _start_profilers(self, warmup: float, seconds: float) -> list[subprocess.Popen]:

@@ -112,7 +112,7 @@ def test_finished_work_is_delivered_while_the_loop_waits_in_a_long_poll(kafka_bo
     assert outputs == ["in:1"], "the finished work waited for the loop's next input or tick"
     # The hop's time was recorded piece by piece (docs/loop.md, "Latency of a hop"): the input's
     # age when taken, the handling and commit of both batches, the work's wait for a worker
-    # and the wait for its delivery.
+    # and the wait for its delivery (the second input, which ends the long poll, may add its own).
     counts = {k: v - counts_before[k] for k, v in _hop_counts("wake").items()}
-    assert counts["input_age"] >= 1 and counts["work_start"] == 1 and counts["work_deliver"] == 1, counts
+    assert counts["input_age"] >= 1 and counts["work_start"] >= 1 and counts["work_deliver"] >= 1, counts
     assert counts["handle"] >= 2 and counts["commit"] >= 2, counts
