@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from tether_contracts.records import Remaining, RunRejected, StepGranted
 from tether_messaging import loop as loop_mod
@@ -217,3 +217,44 @@ def test_a_hung_transactional_call_ends_the_process(call_s: float, exits: bool) 
     finally:
         loop._watchdog_stop.set()
     assert codes == ([1] if exits else [])
+
+
+class _CommitFails:
+    """A consumer whose synchronous offset commit raises the given errors first (as librdkafka
+    does while the group coordinator reloads after a broker restart), then succeeds."""
+
+    def __init__(self, failures: list[KafkaError]) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    def commit(self, offsets, asynchronous: bool) -> None:
+        self.calls += 1
+        if self.failures:
+            raise KafkaException(self.failures.pop(0))
+
+
+@pytest.mark.parametrize(
+    ("failures", "committed"),
+    [
+        ([KafkaError(KafkaError.COORDINATOR_LOAD_IN_PROGRESS), KafkaError(KafkaError.NOT_COORDINATOR)], True),
+        ([KafkaError(KafkaError.ILLEGAL_GENERATION)], False),  # a rebalance: not this member's to commit
+    ],
+    ids=["coordinator-reloading-is-waited-for", "generation-error-exits"],
+)
+def test_an_at_least_once_offset_commit_waits_for_the_coordinator(failures: list[KafkaError], committed: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop_mod.time, "sleep", lambda _s: None)
+    loop = ProcessorLoop(eos_processor.EosProcessor(Topics("unused."), 0),
+                         LoopConfig(bootstrap="127.0.0.1:1", transactional=False))
+    consumer = _CommitFails(list(failures))
+    loop._consumer = consumer
+    loop._producer = Producer({"bootstrap.servers": "127.0.0.1:1"})  # nothing queued: flush returns at once
+    loop._next[("in", 0)] = 7  # a handled input: its offset is due
+    if committed:
+        loop._commit(loop_mod._Batch(now_ms=0))
+        assert consumer.calls == len(failures) + 1
+        assert loop._committed[("in", 0)] == 7
+    else:
+        with pytest.raises(loop_mod.FatalLoopError, match="offset_commit failed"):
+            loop._commit(loop_mod._Batch(now_ms=0))
+        assert consumer.calls == 1

@@ -140,6 +140,20 @@ HANDOVERS = Counter(
 )
 
 
+#: Offset-commit errors that mean "the group coordinator is not there yet" (a broker restart,
+#: a coordinator move): retried. librdkafka does not mark a failed synchronous commit's error
+#: retriable, so they are named here. Generation errors (a rebalance) are not among them.
+_COMMIT_RETRIABLE = frozenset({
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NETWORK_EXCEPTION,
+    KafkaError._TIMED_OUT,
+    KafkaError._TRANSPORT,
+    KafkaError._WAIT_COORD,
+})
+
 #: Written by `headers_for` on every envelope (tether_messaging.envelopes).
 EVENT_TYPE_HEADER = "tether-event-type"
 
@@ -214,8 +228,8 @@ class LoopConfig:
     revoke_drain_ms: int = 5_000
     #: First backoff of a retried Kafka request of the transactional producer (see _producer_config).
     retry_backoff_ms: int = 5
-    #: How long an abort is retried while it times out (the broker restarting) before the
-    #: process exits for its supervisor to restart it.
+    #: How long an abort (and, at least once, an offset commit) is retried while the broker is
+    #: away (restarting) before the process exits for its supervisor to restart it.
     abort_retry_s: float = 120.0
     #: A transactional producer call (begin, send offsets, commit, abort) that has not returned
     #: after this long is hung, and the process exits at once, as if killed: its successor's
@@ -1223,10 +1237,12 @@ class ProcessorLoop:
                 errs = [e.str() for e in self._delivery_errors]
                 raise FatalLoopError(f"at-least-once delivery failed ({remaining} unsent): {errs[:3]}")
             if offsets:
-                try:
-                    self._consumer.commit(offsets=offsets, asynchronous=False)
-                except KafkaException as exc:
-                    raise FatalLoopError(f"offset commit failed: {exc.args[0].str()}") from exc
+                # Flushed already, so committing the same offsets again is safe. A broker restart
+                # answers COORDINATOR_LOAD_IN_PROGRESS for a while: in `make chaos` the projector
+                # exited on it (and replayed its batch after the restart) instead of waiting.
+                self._retry_while_broker_away(
+                    "offset_commit", lambda: self._consumer.commit(offsets=offsets, asynchronous=False),
+                    retriable=lambda err: err.retriable() or err.code() in _COMMIT_RETRIABLE)
         COMMIT_SECONDS.labels(self._name).observe(time.monotonic() - started)
         for tp in offsets:
             self._committed[(tp.topic, tp.partition)] = tp.offset
@@ -1251,19 +1267,29 @@ class ProcessorLoop:
         """Abort the open transaction, retrying while the broker is away (a restart): an abort
         that times out may be called again (librdkafka), and exiting on the first timeout made
         services crash-loop through every broker restart in `make chaos`."""
+        def abort() -> None:
+            with self._watched():
+                self._producer.abort_transaction(30)
+
+        self._retry_while_broker_away("abort_transaction", abort, retriable=lambda err: err.retriable())
+
+    def _retry_while_broker_away(self, what: str, fn: Callable[[], Any],
+                                 retriable: Callable[[KafkaError], bool]) -> None:
+        """Call `fn` until it succeeds, retrying errors `retriable` accepts for up to
+        `abort_retry_s` (a broker restart); a fatal or other error, or one past the deadline,
+        ends the loop (FatalLoopError: the supervisor restarts the process)."""
         deadline = time.monotonic() + self.config.abort_retry_s
         attempt = 0
         while True:
             attempt += 1
             try:
-                with self._watched():
-                    self._producer.abort_transaction(30)
+                fn()
                 return
             except KafkaException as exc:
                 err = exc.args[0]
-                if err.fatal() or not err.retriable() or time.monotonic() > deadline:
-                    raise FatalLoopError(f"abort_transaction failed: {err.str()}") from exc
-                self._log.info("abort_retry", error=err.str(), attempt=attempt)
+                if err.fatal() or not retriable(err) or time.monotonic() > deadline:
+                    raise FatalLoopError(f"{what} failed: {err.str()}") from exc
+                self._log.info(f"{what}_retry", error=err.str(), attempt=attempt)
                 time.sleep(min(0.1 * 2**attempt, 2))
 
     def _call(self, fn: Callable[[], Any]) -> Any:
