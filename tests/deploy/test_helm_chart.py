@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import yaml
 
 import helm_python as helm
 import kubernetes_validate
+import promql_parser
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tether"
 KUBE_VERSION = "1.33.0"
@@ -24,7 +26,7 @@ def _render(values: dict | None = None) -> list[dict]:
 
 
 def _validate(doc: dict) -> None:
-    if doc["apiVersion"].startswith("keda.sh/"):
+    if doc["apiVersion"].startswith(("keda.sh/", "monitoring.coreos.com/")):
         return  # a CRD: kubernetes-validate has no schema for it
     kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
 
@@ -87,3 +89,37 @@ def test_exactly_once_processors_keep_their_state_store_on_pod_disk():
         assert volume["emptyDir"] == {"sizeLimit": "5Gi"}
     run_api = next(d for d in docs if d["metadata"]["name"] == "tether-run-api" and d["kind"] == "Deployment")
     assert "volumes" not in run_api["spec"]["template"]["spec"]
+
+
+def _loop_metric_names() -> set[str]:
+    """Every series name the loop's metrics expose (a labelled metric with no children yet has no
+    samples, so the names come from each family's type)."""
+    from prometheus_client import REGISTRY
+
+    import tether_messaging.loop  # noqa: F401 - registers the loop's metrics
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    return {family.name + suffix for family in REGISTRY.collect() for suffix in suffixes.get(family.type, ("",))}
+
+
+def test_alerts_are_off_by_default_and_use_only_metrics_the_loop_exports():
+    assert not [d for d in _render() if d["kind"] == "PrometheusRule"]
+    docs = _render({"monitoring": {"rules": {"enabled": True, "lagRecords": 77}}})
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    alerts = rule["spec"]["groups"][0]["rules"]
+    assert {a["alert"] for a in alerts} >= {"TetherConsumerLagHigh", "TetherInputAgeHigh", "TetherCommitSlow",
+                                           "TetherDeadLetters"}
+    known = _loop_metric_names()
+    for alert in alerts:
+        promql_parser.parse(alert["expr"])  # raises ValueError on invalid PromQL
+        used = set(re.findall(r"\b(tether_[a-z_]+)", alert["expr"]))
+        assert used and used <= known, (alert["alert"], used - known)
+        # Prometheus' own templating survives helm's.
+        assert "{{ $labels" in alert["annotations"]["summary"] or "{{ $value" in alert["annotations"]["summary"]
+    lag = next(a for a in alerts if a["alert"] == "TetherConsumerLagHigh")
+    assert lag["expr"].endswith("> 77") and lag["for"] == "10m"
+
+
+def test_alert_thresholds_are_validated():
+    with pytest.raises(Exception, match="for|pattern"):
+        _render({"monitoring": {"rules": {"enabled": True, "for": "ten minutes"}}})
