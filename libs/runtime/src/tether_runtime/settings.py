@@ -25,10 +25,13 @@ class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TETHER_SERVICE_", extra="ignore", populate_by_name=True)
 
     # -- shared infrastructure (fixed names) ------------------------------------------------
-    kafka_bootstrap: str = Field("127.0.0.1:9092", validation_alias=_infra("TETHER_KAFKA_BOOTSTRAP"))
-    pg_dsn: str = Field("postgresql://tether@127.0.0.1:5432/tether", validation_alias=_infra("TETHER_PG_DSN"))
-    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias=_infra("TETHER_REDIS_URL"))
-    partitions: int = Field(6, ge=1, validation_alias=_infra("TETHER_PARTITIONS"))
+    kafka_bootstrap: str = Field("127.0.0.1:9092", validation_alias=_infra("TETHER_KAFKA_BOOTSTRAP"),
+                                 description="Kafka bootstrap servers.")
+    pg_dsn: str = Field("postgresql://tether@127.0.0.1:5432/tether", validation_alias=_infra("TETHER_PG_DSN"),
+                        description="PostgreSQL DSN (from a Secret in Kubernetes).")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", validation_alias=_infra("TETHER_REDIS_URL"), description="Redis URL.")
+    partitions: int = Field(6, ge=1, validation_alias=_infra("TETHER_PARTITIONS"),
+                            description="Partition count of every topic (must match the declared topics).")
     schema_registry_url: str | None = Field(
         None,
         validation_alias=_infra("TETHER_SCHEMA_REGISTRY_URL"),

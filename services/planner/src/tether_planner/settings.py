@@ -23,8 +23,10 @@ class PlannerSettings(ServiceSettings):
     declare_topics: bool = Field(True, description="Create missing topics at start-up (idempotent).")
 
     # -- providers --------------------------------------------------------------------------
-    openai_api_key: SecretStr | None = Field(None, validation_alias=AliasChoices("OPENAI_API_KEY"))
-    anthropic_api_key: SecretStr | None = Field(None, validation_alias=AliasChoices("ANTHROPIC_API_KEY"))
+    openai_api_key: SecretStr | None = Field(None, validation_alias=AliasChoices("OPENAI_API_KEY"),
+                                           description="OpenAI API key (a secret: never logged or recorded).")
+    anthropic_api_key: SecretStr | None = Field(None, validation_alias=AliasChoices("ANTHROPIC_API_KEY"),
+                                              description="Anthropic API key (a secret: never logged or recorded).")
     llm_base_url: str | None = Field(
         None,
         validation_alias=AliasChoices("TETHER_LLM_BASE_URL"),
@@ -39,22 +41,22 @@ class PlannerSettings(ServiceSettings):
     stream: bool = Field(False, description="Stream responses (SSE) instead of waiting for the whole body.")
 
     # -- retries and timeouts ----------------------------------------------------------------
-    connect_timeout_s: float = Field(10.0, gt=0)
+    connect_timeout_s: float = Field(10.0, gt=0, description="TCP/TLS connect timeout of a model call.")
     read_timeout_s: float = Field(120.0, gt=0, description="Per read; with streaming, between chunks.")
     max_attempts: int = Field(5, ge=1, description="HTTP attempts per model call (429/5xx/timeouts are retried).")
-    backoff_initial_s: float = Field(0.5, ge=0)
-    backoff_max_s: float = Field(30.0, ge=0)
+    backoff_initial_s: float = Field(0.5, ge=0, description="First wait before retrying a model call (doubles, jittered).")
+    backoff_max_s: float = Field(30.0, ge=0, description="Longest wait between model-call attempts.")
     retry_after_max_s: float = Field(60.0, ge=0, description="Longest Retry-After honoured.")
 
     # -- the step -----------------------------------------------------------------------------
     max_output_tokens: int = Field(4096, ge=1, description="Upper bound of max_tokens (also bounded by the grant).")
     malformed_limit: int = Field(3, ge=1, description="Consecutive invalid responses after which the step fails.")
     compaction_keep_turns: int = Field(2, ge=1, description="Turns kept verbatim when compacting.")
-    summary_max_chars: int = Field(6000, ge=200)
+    summary_max_chars: int = Field(6000, ge=200, description="Cap on the summary that replaces compacted turns.")
 
     # -- records ------------------------------------------------------------------------------
-    assistant_text_max_chars: int = Field(8000, ge=100)
-    answer_max_chars: int = Field(64000, ge=100)
+    assistant_text_max_chars: int = Field(8000, ge=100, description="Cap on the model's text recorded per call.")
+    answer_max_chars: int = Field(64000, ge=100, description="Cap on a run's final answer as recorded.")
     tool_result_max_chars: int = Field(16000, ge=100, description="Cap on one tool result in the model's context.")
 
     # -- pricing ------------------------------------------------------------------------------
