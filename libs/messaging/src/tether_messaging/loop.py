@@ -478,6 +478,11 @@ class ProcessorLoop:
         self.config = config
         self._clock_ms = clock_ms or (lambda: int(time.time() * 1000))
         self._name = processor.name
+        # The hop histograms' children, bound once: they are observed per record and per work.
+        self._input_age = INPUT_AGE_SECONDS.labels(self._name)
+        self._handle_seconds = HANDLE_SECONDS.labels(self._name)
+        self._work_start = WORK_START_SECONDS.labels(self._name)
+        self._work_deliver = WORK_DELIVER_SECONDS.labels(self._name)
         self._group = config.topics.group_id(processor.name)
         self._changelog = config.topics.changelog(processor.name)
         # Event types the processor acts on, per topic (`EventFilter`): others are passed over
@@ -919,9 +924,9 @@ class ProcessorLoop:
         for m in msgs:
             kind, ts_ms = m.timestamp()
             if kind == TIMESTAMP_CREATE_TIME:
-                INPUT_AGE_SECONDS.labels(self._name).observe(max(0.0, now_s - ts_ms / 1000))
+                self._input_age.observe(max(0.0, now_s - ts_ms / 1000))
         for f in finished:
-            WORK_DELIVER_SECONDS.labels(self._name).observe(now_mono - f.finished_at)
+            self._work_deliver.observe(now_mono - f.finished_at)
 
     def _take_finished(self) -> list[_Finished]:
         out, self._redeliver = self._redeliver, []
@@ -984,7 +989,7 @@ class ProcessorLoop:
                 self._tick(batch)
             self._before_commit()
             self._checkpoint(batch)
-            HANDLE_SECONDS.labels(self._name).observe(time.monotonic() - handling_started)
+            self._handle_seconds.observe(time.monotonic() - handling_started)
             self._commit(batch)
         except _AbortBatch as exc:
             self._abort(batch, snapshot, exc)
@@ -1031,7 +1036,7 @@ class ProcessorLoop:
             if w.cancelled or self._epoch.get(w.partition, 0) != w.epoch:
                 return
             w.running = True
-        WORK_START_SECONDS.labels(self._name).observe(time.monotonic() - w.committed_at)
+        self._work_start.observe(time.monotonic() - w.committed_at)
         try:
             self._finished.put(_Finished(w.key, w.epoch, result=w.fn()))
         except BaseException as exc:  # the processor decides what a failure means

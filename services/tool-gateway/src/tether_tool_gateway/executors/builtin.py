@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from email.message import EmailMessage
 from http.cookiejar import CookieJar, DefaultCookiePolicy
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -46,17 +46,24 @@ def _require(config: dict[str, Any], name: str) -> Any:
     return config[name]
 
 
-_TLS_LOCK = threading.Lock()
+T = TypeVar("T")
 
 
+def _built_once(factory: Callable[[], T]) -> Callable[[], T]:
+    """`factory`'s result, made once per process and shared. Under a lock: the first calls arrive
+    together from every execution thread, and functools.cache alone may run the factory twice."""
+    cached = functools.cache(factory)
+    lock = threading.Lock()
+
+    def get() -> T:
+        with lock:
+            return cached()
+
+    return get
+
+
+@_built_once
 def _tls() -> ssl.SSLContext:
-    # Under a lock: the first calls arrive together from every execution thread.
-    with _TLS_LOCK:
-        return _tls_context()
-
-
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
     """One TLS context for every call of this process (the same settings httpx builds by default).
 
     httpx builds a fresh context (loading the CA bundle) for every client, i.e. for every call made
@@ -65,13 +72,8 @@ def _tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context(trust_env=False)
 
 
+@_built_once
 def _kv_client() -> httpx.Client:
-    with _TLS_LOCK:
-        return _kv_client_shared()
-
-
-@functools.cache
-def _kv_client_shared() -> httpx.Client:
     """One client (one connection pool) for every KV call of this process.
 
     The KV store is the operator's configured endpoint, not a URL from the model, so its calls may
@@ -80,7 +82,7 @@ def _kv_client_shared() -> httpx.Client:
     is shared between calls: the cookie jar refuses every cookie, there is no auth on the client,
     and each call passes its own timeout and headers. httpx clients may be shared between threads.
     """
-    return httpx.Client(trust_env=False, verify=_tls_context(), follow_redirects=False,
+    return httpx.Client(trust_env=False, verify=_tls(), follow_redirects=False,
                         cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])))
 
 
