@@ -83,9 +83,10 @@ def test_a_tool_is_allowed_only_in_grants_and_allowlist_and_scope(grants, allowl
 def test_a_scope_that_includes_the_tool_allows_it_and_no_scope_does_not_restrict():
     # An allow names the rules that let the call run (ToolCallAuthorized.reasons), in checking order.
     assert verdict(TrustPolicy(), inputs(FETCH, FETCH_ARGS, delegated_scope=["http_get"])) == Allow(
-        ("GRANTED", "IN_DELEGATED_SCOPE", "ARGS_VALID", "CONSTRAINTS_MET", "RISK_CLASS_NEEDS_NO_APPROVAL"))
+        ("GRANTED", "IN_DELEGATED_SCOPE", "ARGS_VALID", "CONSTRAINTS_MET", "RISK_CLASS_NEEDS_NO_APPROVAL",
+         "EGRESS_UNTAINTED"))
     assert verdict(TrustPolicy(), inputs(FETCH, FETCH_ARGS, delegated_scope=None)) == Allow(
-        ("GRANTED", "ARGS_VALID", "CONSTRAINTS_MET", "RISK_CLASS_NEEDS_NO_APPROVAL"))
+        ("GRANTED", "ARGS_VALID", "CONSTRAINTS_MET", "RISK_CLASS_NEEDS_NO_APPROVAL", "EGRESS_UNTAINTED"))
 
 
 def test_unknown_tool_and_invalid_args():
@@ -179,7 +180,82 @@ def test_a_tainted_run_needs_approval_for_egress_tools_only():
         ("POLICY", "TAINTED_EGRESS")
     # Non-egress tools run on a tainted run as they would otherwise.
     assert isinstance(verdict(p, inputs(PUT, PUT_ARGS, **tainted)), Allow)
-    assert isinstance(verdict(p, inputs(FETCH, FETCH_ARGS, **tainted)), Allow)
+    # http_get is egress (its URL leaves): without taint.follow_links every fetch on a tainted run asks.
+    assert verdict(p, inputs(FETCH, FETCH_ARGS, **tainted)) == RequireApproval(("TAINTED_EGRESS",), NOW + 3_600_000)
+
+
+# -- following links on a tainted run (taint.follow_links) --------------------------------------
+LINKS = {"version": "links/1", "taint": {"follow_links": True}}
+LINK = "https://docs.example.com/page"
+TAINTED = {"tainted_by": ("1.0",)}
+
+
+def test_a_tainted_run_may_follow_a_link_it_was_given_but_not_send_a_url_the_model_composed():
+    p = policy(LINKS)
+    given = verdict(p, inputs(FETCH, {"url": LINK}, copied_args={"/url": "tool:1.0"}, **TAINTED))
+    assert given == Allow(("GRANTED", "ARGS_VALID", "CONSTRAINTS_MET", "RISK_CLASS_NEEDS_NO_APPROVAL",
+                           "EGRESS_FOLLOWS_LINK"))
+    from_goal = verdict(p, inputs(FETCH, {"url": LINK}, copied_args={"/url": "goal"}, **TAINTED))
+    assert isinstance(from_goal, Allow) and from_goal.reasons[-1] == "EGRESS_FOLLOWS_LINK"
+    # Composed (the data would ride in the query or the path), or not looked for: a human decides.
+    composed = inputs(FETCH, {"url": LINK + "?q=the-secret"}, copied_args={"/url": None}, **TAINTED)
+    assert verdict(p, composed) == RequireApproval(("TAINTED_EGRESS",), NOW + DEFAULT_APPROVAL_TTL_MS)
+    assert verdict(p, inputs(FETCH, {"url": LINK}, copied_args=None, **TAINTED)).reasons == ("TAINTED_EGRESS",)
+    assert verdict(p, inputs(FETCH, {"url": LINK}, copied_args={}, **TAINTED)).reasons == ("TAINTED_EGRESS",)
+    # An untainted run needs nothing copied.
+    assert verdict(p, inputs(FETCH, {"url": LINK + "?q=x"})).reasons[-1] == "EGRESS_UNTAINTED"
+
+
+LOOKUP_ALLOWED = {"tenant_grants": ["lookup"], "agent_allowlist": ["lookup"]}
+
+
+def _egress_tool(risk: RiskClass, schema: dict) -> ToolSpec:
+    return ToolSpec(name="lookup", version=1, description="look something up", args_schema_json=json.dumps(schema),
+                    risk_class=risk, idempotent=True, untrusted_source=True, executor_kind="http", egress=True)
+
+
+@pytest.mark.parametrize("args,copied", [
+    ({"url": LINK, "note": "hi"}, {"/url": "tool:1.0", "/note": "tool:1.0"}),  # a key the schema does not declare
+    ({"url": LINK, "n": 7}, {"/url": "tool:1.0", "/n": None}),                  # a number can spell data
+    ({"url": LINK, "n": "7"}, {"/url": "tool:1.0", "/n": None}),                # one argument not copied
+    ({"url": [LINK]}, {"/url/0": "tool:1.0"}),                                  # not a flat string
+])
+def test_only_a_flat_object_of_declared_copied_strings_follows_a_link(args, copied):
+    schema = {"type": "object", "properties": {"url": {}, "n": {}}}
+    v = verdict(policy(LINKS), inputs(_egress_tool(RiskClass.READ_ONLY, schema), args, copied_args=copied, **TAINTED,
+                                        **LOOKUP_ALLOWED))
+    assert v == RequireApproval(("TAINTED_EGRESS",), NOW + DEFAULT_APPROVAL_TTL_MS)
+
+
+def test_only_read_only_tools_follow_links():
+    # A write with egress does what the page says if the page wrote every argument: a human decides.
+    schema = {"type": "object", "properties": {"url": {}}}
+    for risk, expected in ((RiskClass.READ_ONLY, Allow), (RiskClass.WRITE, RequireApproval)):
+        v = verdict(policy(LINKS), inputs(_egress_tool(risk, schema), {"url": LINK},
+                                          copied_args={"/url": "tool:1.0"}, **TAINTED, **LOOKUP_ALLOWED))
+        assert isinstance(v, expected)
+
+
+def test_copied_args_are_hashed_only_by_a_policy_that_reads_them():
+    a = inputs(FETCH, {"url": LINK}, copied_args={"/url": "tool:1.0"}, **TAINTED)
+    b = dataclasses.replace(a, copied_args={"/url": "goal"})
+    links, plain = policy(LINKS), policy({"version": "links/1"})
+    assert links.decide_call(a).inputs_hash != links.decide_call(b).inputs_hash
+    # A policy without the rule hashes what it hashed before the field existed.
+    assert plain.decide_call(a).inputs_hash == plain.decide_call(dataclasses.replace(a, copied_args=None)).inputs_hash
+    before = {k: v for k, v in a.canonical().items()}
+    assert "copied_args" not in before and plain.decide_call(a).inputs_hash == inputs_hash(plain.version, before)
+
+
+def test_the_default_policy_follows_links_and_the_earlier_default_still_derives_its_decisions():
+    from tether_tool_gateway.domain.policy_document import default_policies
+
+    current, earlier = default_policies()
+    assert current.document.taint.follow_links and current.policy_version.startswith("default/2@")
+    assert not earlier.document.taint.follow_links and earlier.policy_version.startswith("default/1@")
+    old = inputs(FETCH, {"url": LINK}, copied_args={"/url": "tool:1.0"}, **TAINTED)
+    assert verdict(TrustPolicy(current), old).reasons[-1] == "EGRESS_FOLLOWS_LINK"
+    assert verdict(TrustPolicy(earlier), old).reasons == ("TAINTED_EGRESS",)
 
 
 def test_a_waiver_cannot_lift_the_taint_rule():
@@ -290,7 +366,7 @@ def test_policy_version_names_the_version_and_the_content():
     assert a.policy_version == b.policy_version and a.policy_version.startswith("acme/7@")
     assert c.policy_version != a.policy_version
     assert index_by_version([a, c])[c.policy_version] is c
-    assert default_policy().policy_version.startswith("default/1@")
+    assert default_policy().policy_version.startswith("default/2@")
 
 
 @pytest.mark.parametrize("text,why", [

@@ -8,6 +8,7 @@ from tether_tool_gateway.domain.provenance import (
     RUN_SOURCES_MAX_CHARS,
     SOURCE_MAX_CHARS,
     Source,
+    copied_args,
     provenance,
     result_text,
 )
@@ -88,3 +89,33 @@ def test_the_run_state_folds_taint_and_caps_what_it_keeps():
     assert run.sources[-1].truncated and run.sources[-1].text == ""
     run.read_result("10.0", "http_get", None, untrusted=True)  # a claim check: taints, not searchable
     assert run.tainted_by == ["2.0", "10.0"] and run.sources[-1].text is None
+
+
+# -- copied_args: what the link-following rule reads --------------------------------------------
+HTML = Source(origin="tool:2.0", tool_name="http_get", untrusted=True, text=result_text(json.dumps({
+    "status": 200, "body": '<a href="https://docs.example.com/next?page=2">next</a> see [faq](https://docs.example.com/faq) '
+                           "or https://docs.example.com/raw."})))
+
+
+def test_copied_args_finds_whole_links_in_the_goal_and_untrusted_results():
+    goal = Source(origin="goal", text="Read https://docs.example.com/start and summarise it")
+    sources = [goal, HTML, KV]
+    got = copied_args({"a": "https://docs.example.com/start", "b": "https://docs.example.com/next?page=2",
+                       "c": "https://docs.example.com/faq", "d": "https://docs.example.com/raw."}, sources)
+    assert got == {"/a": "goal", "/b": "tool:2.0", "/c": "tool:2.0", "/d": "tool:2.0"}
+
+
+def test_copied_args_does_not_count_a_substring_a_trusted_result_or_a_non_string():
+    kv = Source(origin="tool:1.1", tool_name="kv_get", text="https://docs.example.com/leak?d=secret")
+    got = copied_args({"prefix": "https://docs.example.com/next", "kv": "https://docs.example.com/leak?d=secret",
+                       "num": 2, "flag": True, "none": None, "empty": ""}, [HTML, kv])
+    # A prefix of a longer link would let the model spell data by where it cuts; a trusted tool's
+    # result may hold what the model wrote itself (a key-value store).
+    assert got == {"/prefix": None, "/kv": None, "/num": None, "/flag": None, "/none": None, "/empty": None}
+
+
+def test_copied_args_fails_closed_on_unsearchable_and_cut_sources():
+    claim_check = Source(origin="tool:3.0", tool_name="http_get", untrusted=True, text=None)
+    state = RunState(tenant_id="t")
+    state.read_result("4.0", "http_get", "x" * SOURCE_MAX_CHARS + " https://docs.example.com/late", untrusted=True)
+    assert copied_args({"url": "https://docs.example.com/late"}, [claim_check, *state.sources]) == {"/url": None}

@@ -42,7 +42,7 @@ from tether_messaging.logreader import read_to_end
 from tether_messaging.serde import SerdeError, open_payload
 from tether_tool_gateway.audit import GatewayAudit
 from tether_tool_gateway.domain.policy import BasicPolicy, Policy, TrustPolicy
-from tether_tool_gateway.domain.policy_document import LoadedPolicy, default_policy
+from tether_tool_gateway.domain.policy_document import LoadedPolicy, default_policies
 
 BUDGET = "budget"
 _CANCELLED = re.compile(r"^cancelled by (?P<who>\S+) \((?:the submitter|a member of the tenant)\)(?:: (?P<why>.*))?$",
@@ -95,7 +95,9 @@ class AuditConfig:
 
     def policies(self) -> tuple[dict[str, Policy], str]:
         """Gateway policies by version, and the version allowed calls (no decision event) are checked under."""
-        loaded = self.gateway_policies or (default_policy(),)
+        # Without a deployment's documents: the gateway's default of every release, the current
+        # one first (the last, the oldest, is what logs without decision events are checked under).
+        loaded = self.gateway_policies or default_policies()
         policies: dict[str, Policy] = {"basic/1": BasicPolicy()}
         for doc in loaded:
             policies[doc.policy_version] = TrustPolicy(doc)

@@ -75,7 +75,7 @@ def _json(value: Any) -> str:
 
 def http_get_spec(allow_hosts: Sequence[str], *, max_body_bytes: int = 1024 * 1024, timeout_ms: int = 10_000,
                   version: int = 1, headers: dict[str, str] | None = None) -> ToolSpec:
-    """GET a URL on an allowlisted host. Read-only; its output is untrusted content.
+    """GET a URL on an allowlisted host. Read-only, egress (the URL leaves); its output is untrusted content.
 
     `headers` are sent with every request; values may reference secrets by handle
     (`{"Authorization": "Bearer secret://news/token"}`), resolved by the gateway at execution time.
@@ -96,7 +96,10 @@ def http_get_spec(allow_hosts: Sequence[str], *, max_body_bytes: int = 1024 * 10
         executor_kind=EXECUTOR_KIND,
         executor_config_json=_json(config),
         timeout_ms=timeout_ms,
-        egress=False,
+        # A GET sends its URL to the host: a URL the model composed can carry data out (in the
+        # query or the path), so on a tainted run it needs a human — unless the policy lets it
+        # follow a link the run was given (taint.follow_links, on in the default policy).
+        egress=True,
         # The gateway refuses other hosts before the call runs (CONSTRAINT_VIOLATION); the
         # executor checks again, and also refuses redirects to other origins.
         constraints_json=_json({"rules": [{"kind": "egress", "arg": "/url",

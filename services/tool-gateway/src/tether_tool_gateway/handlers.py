@@ -45,7 +45,7 @@ from tether_tool_gateway.domain.policy import (
     RequireApproval,
     approval_id_for,
 )
-from tether_tool_gateway.domain.provenance import provenance, result_text
+from tether_tool_gateway.domain.provenance import copied_args, provenance, result_text
 from tether_tool_gateway.domain.state import CallState, CallStatus, RunState
 from tether_tool_gateway.execution import (
     CallRef,
@@ -306,11 +306,20 @@ def on_tool_call_budgeted(event: ToolCallBudgeted, msg: Inbound, ctx: Context, *
 
 def call_decision_inputs(run: RunState, call: CallState, *, recorded_at_ms: int) -> CallDecisionInputs:
     """The decision inputs of a budgeted call, all from the log as folded up to its ToolCallBudgeted."""
+    tool = run.tools.get(call.tool_name)
+    copied = None
+    if tool is not None and tool.egress and tool.risk_class.value == "READ_ONLY" and run.tainted_by:
+        # Only where the link-following rule could apply (it searches up to 128 KiB of text).
+        try:
+            copied = copied_args(json.loads(call.args_json), run.sources)
+        except json.JSONDecodeError:
+            copied = {}
     return CallDecisionInputs(
         tool_name=call.tool_name, args_json=call.args_json, args_hash=call.args_hash,
-        tool=run.tools.get(call.tool_name), tenant_grants=run.tenant_grants, agent_allowlist=run.agent_allowlist,
+        tool=tool, tenant_grants=run.tenant_grants, agent_allowlist=run.agent_allowlist,
         recorded_at_ms=recorded_at_ms, tenant_id=run.tenant_id, agent_id=run.agent_id,
         principal_id=run.principal_id, delegated_scope=run.delegated_scope, tainted_by=tuple(run.tainted_by),
+        copied_args=copied,
     )
 
 

@@ -9,7 +9,7 @@ the recorded `policy_version`; and must get the same verdict and `inputs_hash`.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
@@ -49,6 +49,9 @@ CONSTRAINTS_MET = "CONSTRAINTS_MET"  # the tool has argument constraints and the
 RISK_CLASS_NEEDS_NO_APPROVAL = "RISK_CLASS_NEEDS_NO_APPROVAL"  # no level requires a human for the class
 RISK_CLASS_WAIVED = "RISK_CLASS_WAIVED"  # a level requires one for the class, and a level waives the tool
 EGRESS_UNTAINTED = "EGRESS_UNTAINTED"  # the tool has egress and the run has read no untrusted content
+# A read-only egress tool on a tainted run whose every argument is a link the run was given (the
+# goal or fetched content holds it whole), under a policy with taint.follow_links.
+EGRESS_FOLLOWS_LINK = "EGRESS_FOLLOWS_LINK"
 
 
 # -- inputs ------------------------------------------------------------------------------------
@@ -70,12 +73,20 @@ class CallDecisionInputs:
     delegated_scope: Sequence[str] | None = None
     #: Call ids of the untrusted results the log held before this decision (the run's taint).
     tainted_by: Sequence[str] = ()
+    #: For a read-only egress tool on a tainted run: each argument leaf (JSON pointer) → the source
+    #: holding it whole ("goal" or "tool:<call_id>" of an untrusted result), or None
+    #: (`provenance.copied_args`). None when not computed (the rule cannot apply).
+    copied_args: Mapping[str, str | None] | None = None
 
-    def canonical(self) -> dict[str, Any]:
+    def canonical(self, *, with_copied_args: bool = False) -> dict[str, Any]:
         """The inputs as hashed: only what the decision reads, named explicitly (schema growth
-        of ToolSpec must not change the hash of an old decision)."""
+        of ToolSpec must not change the hash of an old decision). `copied_args` is hashed only by
+        a policy that reads it (taint.follow_links), so older policies' hashes do not change."""
         t = self.tool
-        return {
+        extra: dict[str, Any] = {}
+        if with_copied_args and self.copied_args is not None:
+            extra["copied_args"] = dict(sorted(self.copied_args.items()))
+        return extra | {
             "kind": "call",
             "tenant_id": self.tenant_id,
             "agent_id": self.agent_id,
@@ -354,7 +365,8 @@ class TrustPolicy:
     constraints → CONSTRAINT_VIOLATION; then a human is needed for any of POLICY (the document
     names the tool), RISK_CLASS (the tool's class needs approval at the deployment, tenant or
     agent level and no level waives the tool) and TAINTED_EGRESS (the run has read untrusted
-    content and the tool has egress); otherwise allow, subject to the rate limit.
+    content and the tool has egress, unless the document lets a read-only tool follow a link the
+    run was given: taint.follow_links); otherwise allow, subject to the rate limit.
     """
 
     loaded: LoadedPolicy = field(default_factory=default_policy)
@@ -364,7 +376,27 @@ class TrustPolicy:
         return self.loaded.policy_version
 
     def decide_call(self, inputs: CallDecisionInputs) -> Decision:
-        return Decision(self._call_verdict(inputs), self.version, inputs_hash(self.version, inputs.canonical()))
+        canonical = inputs.canonical(with_copied_args=self.loaded.document.taint.follow_links)
+        return Decision(self._call_verdict(inputs), self.version, inputs_hash(self.version, canonical))
+
+    def _follows_link(self, tool: ToolSpec, i: CallDecisionInputs) -> bool:
+        """taint.follow_links: a READ_ONLY tool whose arguments are a flat object of declared
+        properties with string values, every one a whole token of the goal or of an untrusted
+        result (`provenance.copied_args`). The shape keeps data out of places the sources are not
+        searched for: object keys the schema does not fix, numbers, nesting."""
+        if not self.loaded.document.taint.follow_links or tool.risk_class != RiskClass.READ_ONLY:
+            return False
+        if not i.copied_args:
+            return False
+        args = json.loads(i.args_json)
+        declared = json.loads(tool.args_schema_json).get("properties") or {}
+        if not isinstance(args, dict) or not args or not isinstance(declared, dict):
+            return False
+        for key, value in args.items():
+            pointer = "/" + key.replace("~", "~0").replace("/", "~1")
+            if key not in declared or not isinstance(value, str) or not i.copied_args.get(pointer):
+                return False
+        return True
 
     def _call_verdict(self, i: CallDecisionInputs) -> Verdict:
         tool = i.tool
@@ -397,7 +429,8 @@ class TrustPolicy:
             reasons.append(POLICY)
         if tool.risk_class in need.risk_classes and not need.waived:
             reasons.append(RISK_CLASS)
-        if tool.egress and i.tainted_by:
+        follows_link = bool(tool.egress and i.tainted_by) and self._follows_link(tool, i)
+        if tool.egress and i.tainted_by and not follows_link:
             reasons.append(TAINTED_EGRESS)
         if reasons:
             return RequireApproval(tuple(reasons), i.recorded_at_ms + self.loaded.document.approval_ttl_ms)
@@ -409,7 +442,7 @@ class TrustPolicy:
             allowed.append(CONSTRAINTS_MET)
         allowed.append(RISK_CLASS_WAIVED if tool.risk_class in need.risk_classes else RISK_CLASS_NEEDS_NO_APPROVAL)
         if tool.egress:
-            allowed.append(EGRESS_UNTAINTED)
+            allowed.append(EGRESS_FOLLOWS_LINK if follows_link else EGRESS_UNTAINTED)
         return Allow(tuple(allowed))
 
     def decide_approval(self, inputs: ApprovalDecisionInputs) -> Decision:

@@ -74,6 +74,17 @@ class RateLimit(_Strict):
                 "capacity": self.capacity}
 
 
+class TaintRules(_Strict):
+    """What a tainted run (one that has read untrusted content) may still do without a human."""
+
+    follow_links: bool = Field(
+        False,
+        description="A READ_ONLY egress tool (http_get) may run without a human on a tainted run when each "
+                    "argument is a string the goal or an untrusted result holds as a whole token: it follows "
+                    "a link it was given and carries nothing the model composed (docs/policy.md).",
+    )
+
+
 class PolicyDocument(_Strict):
     """The whole policy (docs/policy.md)."""
 
@@ -83,6 +94,7 @@ class PolicyDocument(_Strict):
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
     rate_limits: list[RateLimit] = Field(default_factory=list)
     approval_ttl_ms: int = Field(DEFAULT_APPROVAL_TTL_MS, ge=1)
+    taint: TaintRules = Field(default_factory=TaintRules)
 
     @field_validator("version")
     @classmethod
@@ -159,12 +171,21 @@ def parse_policy(text: str) -> LoadedPolicy:
     return LoadedPolicy(doc, policy_version_of(raw))
 
 
-#: Used when no document is configured: irreversible tools need a human, no rate limits.
-DEFAULT_POLICY_TEXT = '{"version": "default/1"}'
+#: Used when no document is configured: irreversible tools need a human, no rate limits, and a
+#: tainted run may follow the links it was given with a read-only egress tool.
+DEFAULT_POLICY_TEXT = '{"version": "default/2", "taint": {"follow_links": true}}'
+#: The defaults of earlier releases, still needed to re-derive the decisions they recorded
+#: (default/1: before http_get was an egress tool and before taint.follow_links).
+EARLIER_DEFAULT_POLICY_TEXTS = ('{"version": "default/1"}',)
 
 
 def default_policy() -> LoadedPolicy:
     return parse_policy(DEFAULT_POLICY_TEXT)
+
+
+def default_policies() -> tuple[LoadedPolicy, ...]:
+    """Every default a gateway of this or an earlier release may have decided under (for auditors)."""
+    return (default_policy(), *(parse_policy(text) for text in EARLIER_DEFAULT_POLICY_TEXTS))
 
 
 def index_by_version(policies: Iterable[LoadedPolicy]) -> dict[str, LoadedPolicy]:

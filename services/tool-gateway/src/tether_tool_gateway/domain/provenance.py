@@ -14,6 +14,7 @@ listed as `unsearched`/`truncated`: provenance is evidence for a human, never th
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -83,6 +84,56 @@ def _leaves(value: Any, path: str = "") -> Iterator[tuple[str, str]]:
             yield from _leaves(v, f"{path}/{i}")
     elif isinstance(value, str):
         yield path, value
+
+
+#: What separates the links (and other words) of a text: whitespace, quotes, brackets and the
+#: characters HTML and Markdown put around a link (`href="…"`, `<…>`, `[…](…)`).
+_TOKEN_SEPARATORS = re.compile(r"""[\s"'`<>()\[\]{}|^]+""")
+
+
+def _all_leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Every leaf of a JSON value with its JSON pointer, strings or not (`_leaves` keeps strings)."""
+    if isinstance(value, dict):
+        for k in sorted(value):
+            yield from _all_leaves(value[k], f"{path}/{str(k).replace('~', '~0').replace('/', '~1')}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _all_leaves(v, f"{path}/{i}")
+    else:
+        yield path, value
+
+
+def copied_args(args: Any, sources: Sequence[Source]) -> dict[str, str | None]:
+    """For each leaf of the arguments (JSON pointer): the source that holds it as a whole token,
+    or None. Only the goal and untrusted results count; deterministic (an input of the decision).
+
+    This is what lets a read-only egress tool follow a link on a tainted run (docs/policy.md,
+    "Following links"): a URL the principal gave or a fetched page holds, repeated exactly, carries
+    nothing the model composed, so it cannot carry data out. The value must be a whole token of
+    the source (`_TOKEN_SEPARATORS`), not just a substring, so the model cannot spell data by
+    choosing where to cut a longer URL. Results of trusted tools do not count: the model writes
+    what some of them return (a key-value store), so a URL read back from one may carry data.
+    Non-string leaves (numbers, booleans, null) and texts that are not searchable (claim checks)
+    or were cut to fit the state are not found: the rule fails closed.
+    """
+    eligible = [s for s in sources if s.text and (s.origin == "goal" or s.untrusted)]
+    tokens: dict[int, frozenset[str]] = {}
+
+    def tokens_of(i: int) -> frozenset[str]:
+        if i not in tokens:
+            tokens[i] = frozenset(t for t in _TOKEN_SEPARATORS.split(eligible[i].text or "") if t)
+        return tokens[i]
+
+    out: dict[str, str | None] = {}
+    for path, value in _all_leaves(args):
+        found = None
+        if isinstance(value, str) and value:
+            holders = [src.origin for i, src in enumerate(eligible) if value in tokens_of(i)]
+            if holders:
+                # The goal first (the principal's own words), else the latest result holding it.
+                found = "goal" if "goal" in holders else holders[-1]
+        out[path] = found
+    return out
 
 
 def _covered(value: str, grams: set[str]) -> int:
