@@ -222,6 +222,31 @@ def test_python_fork_bomb_is_contained(runner: SandboxRunner) -> None:
     assert result.peak_tasks <= limits.max_processes + 2
 
 
+def test_one_sandboxs_fork_bomb_does_not_starve_another(runner: SandboxRunner) -> None:
+    # Every sandbox runs as host uid 65534, and RLIMIT_NPROC is counted per uid; since Linux 5.14 the
+    # count is kept per user namespace too (ucounts), and each sandbox has its own, so two tenants'
+    # sandboxes that each hold all the processes they may have leave a third its whole allowance.
+    # On an older kernel they would share one count and this fails (docs/tools.md).
+    bomb = SandboxLimits(wall_seconds=20, cpu_seconds=10, max_processes=24)
+    bombs = [runner.start(["/usr/bin/bash", "-c", ":(){ :|:& };:; sleep 30"], limits=bomb) for _ in range(2)]
+    try:
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            tasks = subprocess.run(["ps", "-u", str(65534), "-L", "--no-headers"], capture_output=True, text=True,
+                                   check=False).stdout.splitlines()
+            if len(tasks) >= 2 * bomb.max_processes - 4:
+                break
+            time.sleep(0.1)
+        assert len(tasks) >= 2 * bomb.max_processes - 4, f"the bombs hold only {len(tasks)} tasks"
+        result = runner.run(["/usr/bin/bash", "-c", "for i in $(seq 20); do sleep 1 & done; wait; echo ok"],
+                            limits=SandboxLimits(wall_seconds=10, max_processes=24))
+        assert result.ok and result.stdout == b"ok\n", (result.error_code, result.stderr[-500:])
+        assert result.peak_tasks >= 20
+    finally:
+        for b in bombs:
+            b.close()
+
+
 def test_memory_bomb_hits_the_memory_limit(runner: SandboxRunner) -> None:
     limits = SandboxLimits(wall_seconds=10, memory_bytes=256 << 20)
     one_shot = runner.run_script("x = bytearray(2 << 30)\n", interpreter=PY, limits=limits)
