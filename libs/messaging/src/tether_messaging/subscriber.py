@@ -1,0 +1,305 @@
+"""Follow Tether's topics from another team's service: a consumer group, committed records only, decoded events.
+
+The services use the exactly-once loop (`tether_messaging.loop`); a team that only *reads* the
+run event log (a dashboard, a billing feed, a search index) needs much less, and this is it
+(docs/subscribing.md):
+
+- one **consumer group** per subscribing application: start more instances with the same group
+  id and Kafka shares the partitions among them (up to the partition count), moving them on a
+  crash or a scale-in;
+- `isolation.level=read_committed`: a record of an aborted or still open transaction is never
+  delivered (the services write in transactions);
+- **at-least-once**: the group's offsets are committed after the events were handed over
+  (`run` commits once the handler returned for a batch), so a crash redelivers at most the
+  events of the batch in hand. An event is identified by (`run_id`, `seq`) on the run event log
+  (by `event_id` on the other topics): store it with your effect, and a redelivery is harmless;
+- events filtered by type using the `tether-event-type` header, without decoding the rest;
+- **forward compatible**: an event whose payload schema this build does not know (a producer
+  upgraded before you) is delivered with `payload=None` and its envelope (type, run, seq), not
+  dropped and not fatal; a record that is not an envelope at all raises `UndecodableRecord`
+  naming where it is, or is skipped and counted with `skip_undecodable=True`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from tether_contracts.base import AvroRecord
+from tether_contracts.records import Envelope
+from tether_messaging.registry import RegistryCodec, SchemaRegistryUnavailable, envelope_codec
+from tether_messaging.serde import EnvelopeCodec, SerdeError, UnknownFingerprint, open_payload
+
+log = structlog.get_logger("tether_messaging.subscriber")
+
+EVENT_TYPE_HEADER = "tether-event-type"
+TETHER_NAMESPACE = "tether.v1"
+
+
+class UndecodableRecord(Exception):
+    """A record whose value is not a Tether envelope (or whose payload is corrupt)."""
+
+    def __init__(self, topic: str, partition: int, offset: int, reason: str) -> None:
+        super().__init__(f"{topic}[{partition}]@{offset} does not decode: {reason}")
+        self.topic, self.partition, self.offset, self.reason = topic, partition, offset, reason
+
+
+@dataclass(frozen=True)
+class SubscribedEvent:
+    """One committed record, decoded. `payload` is None when its schema is newer than this build."""
+
+    topic: str
+    partition: int
+    offset: int
+    envelope: Envelope
+    payload: AvroRecord | None
+
+    @property
+    def event_type(self) -> str:
+        return self.envelope.event_type
+
+
+class Subscriber:
+    """A consumer group member that yields decoded events and commits what was handed over.
+
+    Use `run(handler)`, or `poll()` / `commit()` yourself: call `poll()` again only once the
+    events it returned were handled, since a rebalance inside `poll()` commits the positions of
+    everything returned before (so the next owner of a partition does not see it again).
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        group_id: str,
+        topics: Sequence[str],
+        *,
+        event_types: Collection[str] | None = None,
+        from_beginning: bool = True,
+        schema_registry_url: str | None = None,
+        codec: EnvelopeCodec | None = None,
+        skip_undecodable: bool = False,
+        consumer_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not topics:
+            raise ValueError("subscribe to at least one topic")
+        # Avro full names as the envelope carries them; a bare name means Tether's namespace.
+        self._types = None if event_types is None else frozenset(
+            t if "." in t else f"{TETHER_NAMESPACE}.{t}" for t in event_types)
+        self._owned_codec = codec is None
+        self._codec = codec or envelope_codec(schema_registry_url)
+        self._skip_undecodable = skip_undecodable
+        #: Next offset to commit per (topic, partition): past every record returned or passed over.
+        self._positions: dict[tuple[str, int], int] = {}
+        self.skipped_undecodable = 0
+        self.passed_over = 0
+        config: dict[str, Any] = {
+            "bootstrap.servers": bootstrap,
+            "group.id": group_id,
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest" if from_beginning else "latest",
+            # Cooperative: a member joining or leaving moves only the partitions that change hands.
+            "partition.assignment.strategy": "cooperative-sticky",
+            # What a slow subscriber holds fetched ahead (librdkafka's default is 64 MiB).
+            "queued.max.messages.kbytes": 2048,
+        }
+        config.update(consumer_config or {})
+        self._consumer = Consumer(config)
+        self._consumer.subscribe(list(topics), on_revoke=self._on_revoke, on_lost=self._on_lost)
+
+    # -- the group -------------------------------------------------------------------------------
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Hand over cleanly: what was returned before this poll was handled (the contract above).
+        revoked = {(tp.topic, tp.partition) for tp in partitions}
+        self._commit_positions(lambda key: key in revoked)
+        for key in revoked:
+            self._positions.pop(key, None)
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # The session expired: another member may own them already; committing could go backwards.
+        for tp in partitions:
+            self._positions.pop((tp.topic, tp.partition), None)
+
+    def assignment(self) -> list[tuple[str, int]]:
+        return sorted((tp.topic, tp.partition) for tp in self._consumer.assignment())
+
+    # -- reading ---------------------------------------------------------------------------------
+    def poll(self, timeout_s: float = 1.0, *, max_events: int = 500) -> list[SubscribedEvent]:
+        """Up to `max_events` committed events (fewer when `timeout_s` passes first; [] when none)."""
+        out: list[SubscribedEvent] = []
+        deadline = time.monotonic() + timeout_s
+        while len(out) < max_events:
+            left = deadline - time.monotonic()
+            # Block for the first record only; then take what is already fetched.
+            msgs = self._consumer.consume(max_events - len(out), timeout=max(left, 0) if not out else 0)
+            if not msgs:
+                break
+            for i, m in enumerate(msgs):
+                try:
+                    event = self._take(m)
+                except UndecodableRecord:
+                    # Read again from the bad record (and whatever came after it in this fetch), so
+                    # nothing is passed by: hand over what decoded before it, then stop at it.
+                    self._rewind(msgs[i:])
+                    if out:
+                        return out
+                    raise
+                if event is not None:
+                    out.append(event)
+        return out
+
+    def _rewind(self, msgs: Sequence[Any]) -> None:
+        first: dict[tuple[str, int], int] = {}
+        for m in msgs:
+            if not m.error():
+                first.setdefault((m.topic(), m.partition()), m.offset())
+        for (topic, partition), offset in first.items():
+            self._consumer.seek(TopicPartition(topic, partition, offset))
+
+    def _take(self, m: Any) -> SubscribedEvent | None:
+        if m.error():
+            if m.error().code() == KafkaError._PARTITION_EOF:
+                return None
+            raise KafkaException(m.error())
+        topic, partition, offset = m.topic(), m.partition(), m.offset()
+        self._positions[(topic, partition)] = offset + 1
+        if self._types is not None:
+            event_type = next((v for k, v in m.headers() or () if k == EVENT_TYPE_HEADER), None)
+            if event_type is not None and event_type.decode(errors="replace") not in self._types:
+                self.passed_over += 1
+                return None
+        try:
+            envelope = self._codec.decode_value(m.value() or b"")
+        except (SerdeError, SchemaRegistryUnavailable) as err:
+            return self._undecodable(topic, partition, offset, str(err))
+        if self._types is not None and envelope.event_type not in self._types:
+            self.passed_over += 1  # a record without the header, filtered after decoding
+            return None
+        try:
+            payload: AvroRecord | None = open_payload(envelope)
+        except UnknownFingerprint:
+            payload = None  # a newer event type or version: deliver what the envelope says
+        except SerdeError as err:
+            return self._undecodable(topic, partition, offset, f"payload: {err}")
+        return SubscribedEvent(topic, partition, offset, envelope, payload)
+
+    def _undecodable(self, topic: str, partition: int, offset: int, reason: str) -> None:
+        if not self._skip_undecodable:
+            # Not past it: the position stays at this record, so a restart meets it again.
+            self._positions[(topic, partition)] = offset
+            raise UndecodableRecord(topic, partition, offset, reason)
+        self.skipped_undecodable += 1
+        log.warning("subscriber_skipped_undecodable", topic=topic, partition=partition, offset=offset, reason=reason)
+        return None
+
+    # -- committing ------------------------------------------------------------------------------
+    def commit(self) -> None:
+        """Commit the positions past everything `poll()` returned (synchronously)."""
+        self._commit_positions(lambda key: True)
+
+    def _commit_positions(self, which: Callable[[tuple[str, int]], bool]) -> None:
+        offsets = [TopicPartition(t, p, o) for (t, p), o in sorted(self._positions.items()) if which((t, p))]
+        if offsets:
+            try:
+                self._consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as err:
+                if err.args[0].code() != KafkaError._NO_OFFSET:
+                    raise
+
+    def run(
+        self,
+        handler: Callable[[SubscribedEvent], None],
+        *,
+        stop: threading.Event | None = None,
+        max_events: int | None = None,
+        idle_exit_s: float | None = None,
+    ) -> int:
+        """Hand every event to `handler`, committing after each batch, until `stop` is set,
+        `max_events` were handled or nothing came for `idle_exit_s`. Returns how many were handled.
+        An exception from the handler propagates; what it had not finished is not committed."""
+        handled = 0
+        idle_since = time.monotonic()
+        while not (stop is not None and stop.is_set()):
+            want = 500 if max_events is None else min(500, max_events - handled)
+            events = self.poll(0.5, max_events=want)
+            for event in events:
+                handler(event)
+                handled += 1
+            self.commit()
+            if events:
+                idle_since = time.monotonic()
+            elif idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
+                break
+            if max_events is not None and handled >= max_events:
+                break
+        return handled
+
+    def close(self) -> None:
+        """Commit what was handed over and leave the group (its partitions move at once)."""
+        try:
+            self.commit()
+        finally:
+            self._consumer.close()
+            if self._owned_codec and isinstance(self._codec, RegistryCodec):
+                self._codec.client.close()
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- a command line: print events as JSON lines ----------------------------------------------------
+def event_json(event: SubscribedEvent) -> dict[str, Any]:
+    """One event as a JSON-ready dict: where it is, its envelope fields, and its payload (or null)."""
+    env = event.envelope
+    return {
+        "topic": event.topic, "partition": event.partition, "offset": event.offset,
+        "tenant_id": env.tenant_id, "run_id": env.run_id, "seq": env.seq, "event_type": env.event_type,
+        "event_id": env.event_id, "recorded_at_ms": env.recorded_at_ms, "producer": env.producer,
+        "payload": None if event.payload is None else event.payload.model_dump(mode="json"),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tether_messaging.subscriber",
+        description="Follow Tether topics as a consumer group member; print each committed event as a JSON line.")
+    parser.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers")
+    parser.add_argument("--group", required=True, help="consumer group id (one per subscribing application)")
+    parser.add_argument("--topic", action="append", default=None,
+                        help="topic to follow (repeat); default tether.run-events.v1")
+    parser.add_argument("--type", action="append", default=None, dest="types",
+                        help="only these event types, e.g. ToolCallCompleted or tether.v1.ToolCallCompleted (repeat)")
+    parser.add_argument("--latest", action="store_true", help="a new group starts at the end, not the beginning")
+    parser.add_argument("--schema-registry-url", default=None)
+    parser.add_argument("--max-events", type=int, default=None, help="stop after this many")
+    parser.add_argument("--idle-exit-s", type=float, default=None, help="stop when nothing came for this long")
+    args = parser.parse_args(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def emit(event: SubscribedEvent) -> None:
+        sys.stdout.write(json.dumps(event_json(event), sort_keys=True) + "\n")
+        sys.stdout.flush()
+
+    with Subscriber(args.bootstrap, args.group, args.topic or ["tether.run-events.v1"], event_types=args.types,
+                    from_beginning=not args.latest, schema_registry_url=args.schema_registry_url) as sub:
+        sub.run(emit, stop=stop, max_events=args.max_events, idle_exit_s=args.idle_exit_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""The subscriber internal teams follow the event log with, against the real broker: committed records only, a
+consumer group that shares and hands over partitions, at-least-once with resumable offsets, type filtering,
+forward compatibility with event types this build does not know, and a loud stop at a record that is not an
+envelope."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+from confluent_kafka import Producer
+
+from tether_contracts.records import Envelope, Remaining, RunCompleted, StepGranted, Usage
+from tether_messaging.chain import GENESIS_HASH, seal
+from tether_messaging.envelopes import headers_for, make_envelope
+from tether_messaging.serde import encode
+from tether_messaging.subscriber import SubscribedEvent, Subscriber, UndecodableRecord
+from tether_testing import unique_name
+
+pytestmark = pytest.mark.integration
+
+
+def sealed(run: str, seq: int, payload, prev: str = GENESIS_HASH) -> Envelope:
+    env = make_envelope(payload, run_id=run, tenant_id="t1", event_id=f"{run}-{seq}", producer="budget",
+                        recorded_at_ms=1_700_000_000_000 + seq)
+    return seal(env, seq, prev)
+
+
+def produce(bootstrap: str, topic: str, envelopes: list[Envelope], *, partition_of=lambda env: 0,
+            transactional: bool = False, abort: bool = False) -> None:
+    config = {"bootstrap.servers": bootstrap}
+    if transactional:
+        config["transactional.id"] = unique_name("sub-test-tx")
+    producer = Producer(config)
+    if transactional:
+        producer.init_transactions(30)
+        producer.begin_transaction()
+    for env in envelopes:
+        producer.produce(topic, key=env.run_id.encode(), value=encode(env), headers=headers_for(env),
+                         partition=partition_of(env))
+    if transactional:
+        (producer.abort_transaction if abort else producer.commit_transaction)(30)
+    producer.flush(30)
+
+
+def events_of(n_runs: int, steps: int) -> list[Envelope]:
+    out = []
+    for r in range(n_runs):
+        prev = GENESIS_HASH
+        for s in range(1, steps + 1):
+            env = sealed(f"run-{r}", s, _granted(s), prev)
+            prev = env.hash
+            out.append(env)
+    return out
+
+
+def _granted(step: int) -> StepGranted:
+    return StepGranted(step=step, remaining=Remaining(steps=10, tokens=100, cost_usd_micros=100, wall_clock_ms=1000))
+
+
+def _completed(answer: str) -> RunCompleted:
+    return RunCompleted(step=1, answer=answer, usage=Usage(input_tokens=1, output_tokens=1, cost_usd_micros=1))
+
+
+def drain(sub: Subscriber, want: int, *, timeout_s: float = 60.0) -> list[SubscribedEvent]:
+    got: list[SubscribedEvent] = []
+    stop = threading.Event()
+    timer = threading.Timer(timeout_s, stop.set)
+    timer.start()
+    try:
+        sub.run(got.append, stop=stop, max_events=want)
+    finally:
+        timer.cancel()
+    return got
+
+
+def test_only_committed_records_are_delivered_decoded_and_resumed_after_a_restart(kafka_bootstrap, kafka_topics):
+    topic = kafka_topics.create("sub-log", partitions=2)
+    group = unique_name("sub-group")
+    first = events_of(2, 3)
+    produce(kafka_bootstrap, topic, first[:3], transactional=True, abort=True)  # never visible
+    produce(kafka_bootstrap, topic, first, transactional=True, partition_of=lambda e: int(e.run_id[-1]))
+    with Subscriber(kafka_bootstrap, group, [topic]) as sub:
+        got = drain(sub, 6)
+    assert sorted((e.envelope.run_id, e.envelope.seq) for e in got) == [(f"run-{r}", s) for r in (0, 1)
+                                                                         for s in (1, 2, 3)]
+    assert all(isinstance(e.payload, StepGranted) and e.payload.step == e.envelope.seq for e in got)
+    # Per partition in order, the chain intact as written.
+    for run in ("run-0", "run-1"):
+        seqs = [e.envelope.seq for e in got if e.envelope.run_id == run]
+        assert seqs == [1, 2, 3]
+    # The group's offsets were committed: a new member of the same group sees only what came later.
+    later = [sealed("run-0", 4, _granted(4), got[-1].envelope.hash)]
+    produce(kafka_bootstrap, topic, later)
+    with Subscriber(kafka_bootstrap, group, [topic]) as sub:
+        again = drain(sub, 1)
+        assert sub.poll(1.0) == []
+    assert [(e.envelope.run_id, e.envelope.seq) for e in again] == [("run-0", 4)]
+
+
+def test_a_group_shares_the_partitions_and_a_member_leaving_hands_its_partitions_over(kafka_bootstrap, kafka_topics):
+    topic = kafka_topics.create("sub-group", partitions=4)
+    group = unique_name("sub-group")
+    envelopes = [sealed(f"run-{p}-{i}", 1, _granted(1)) for p in range(4) for i in range(5)]
+    produce(kafka_bootstrap, topic, envelopes, partition_of=lambda e: int(e.run_id.split("-")[1]))
+    a = Subscriber(kafka_bootstrap, group, [topic])
+    b = Subscriber(kafka_bootstrap, group, [topic])
+    seen: list[tuple[str, SubscribedEvent]] = []
+    try:
+        # Both poll until the group settles on sharing the four partitions.
+        deadline_rounds = 120
+        while deadline_rounds and not (a.assignment() and b.assignment()
+                                       and len(a.assignment()) + len(b.assignment()) == 4):
+            seen += [("a", e) for e in a.poll(0.25)]
+            seen += [("b", e) for e in b.poll(0.25)]
+            deadline_rounds -= 1
+        assert a.assignment() and b.assignment(), (a.assignment(), b.assignment())
+        assert not set(a.assignment()) & set(b.assignment())
+        for _ in range(20):
+            seen += [("a", e) for e in a.poll(0.25)]
+            seen += [("b", e) for e in b.poll(0.25)]
+        a.commit()
+        b.commit()
+        b.close()  # leaves the group: its partitions move to a, past what b committed
+        more = [sealed(f"run-{p}-late", 1, _granted(1)) for p in range(4)]
+        produce(kafka_bootstrap, topic, more, partition_of=lambda e: int(e.run_id.split("-")[1]))
+        for _ in range(80):
+            seen += [("a", e) for e in a.poll(0.25)]
+            if len(a.assignment()) == 4 and sum(1 for _, e in seen if e.envelope.run_id.endswith("late")) == 4:
+                break
+        assert len(a.assignment()) == 4
+    finally:
+        a.close()
+    runs = [e.envelope.run_id for _, e in seen]
+    # Every record once: b's committed records were not delivered to a again.
+    assert sorted(runs) == sorted(e.run_id for e in envelopes + more)
+    assert {who for who, _ in seen} == {"a", "b"}
+
+
+def test_types_are_filtered_and_an_unknown_event_type_is_delivered_without_its_payload(kafka_bootstrap, kafka_topics):
+    topic = kafka_topics.create("sub-types")
+    granted = sealed("run-1", 1, _granted(1))
+    completed = sealed("run-1", 2, _completed("done"), granted.hash)
+    # A producer upgraded before this consumer: an event type whose schema this build does not have.
+    newer = sealed("run-1", 3, _completed("x"), completed.hash).model_copy(update={
+        "event_type": "tether.v1.ToolCallTeleported",
+        "payload": b"\xc3\x01" + bytes(8) + b"\x02",  # single-object encoding, a fingerprint nobody knows
+    })
+    produce(kafka_bootstrap, topic, [granted, completed, newer])
+    with Subscriber(kafka_bootstrap, unique_name("sub-g"), [topic], event_types={"RunCompleted"}) as sub:
+        only = drain(sub, 1)
+        assert sub.poll(1.0) == [] and sub.passed_over == 2
+    assert [e.event_type for e in only] == ["tether.v1.RunCompleted"] and only[0].payload.answer == "done"
+    with Subscriber(kafka_bootstrap, unique_name("sub-g"), [topic]) as sub:
+        every = drain(sub, 3)
+    assert [(e.event_type, e.payload is None) for e in every] == [
+        ("tether.v1.StepGranted", False), ("tether.v1.RunCompleted", False), ("tether.v1.ToolCallTeleported", True)]
+    assert every[2].envelope.seq == 3 and every[2].envelope.run_id == "run-1"
+
+
+def test_a_record_that_is_not_an_envelope_stops_the_subscriber_where_it_is_unless_told_to_skip(
+        kafka_bootstrap, kafka_topics):
+    topic = kafka_topics.create("sub-bad")
+    good = sealed("run-1", 1, _granted(1))
+    produce(kafka_bootstrap, topic, [good])
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    p.produce(topic, key=b"run-1", value=b"{not an envelope}", partition=0)
+    p.flush(30)
+    produce(kafka_bootstrap, topic, [sealed("run-1", 2, _granted(2), good.hash)])
+    group = unique_name("sub-g")
+    with Subscriber(kafka_bootstrap, group, [topic]) as sub:
+        got: list[SubscribedEvent] = []
+        with pytest.raises(UndecodableRecord) as caught:
+            sub.run(got.append, max_events=3, idle_exit_s=20)
+        assert (caught.value.partition, caught.value.offset) == (0, 1)
+        # Polling on does not pass it by: the subscriber stays at the bad record.
+        with pytest.raises(UndecodableRecord) as again:
+            sub.poll(10.0)
+        assert again.value.offset == 1
+    assert [e.envelope.seq for e in got] == [1]
+    # The group's position stays at the bad record: a restart meets it again, nothing after it is lost.
+    with Subscriber(kafka_bootstrap, group, [topic], skip_undecodable=True) as sub:
+        rest = drain(sub, 1)
+        assert sub.skipped_undecodable == 1
+    assert [e.envelope.seq for e in rest] == [2]
+
+
+def test_the_command_line_prints_json_lines(kafka_bootstrap, kafka_topics):
+    topic = kafka_topics.create("sub-cli")
+    granted = sealed("run-9", 1, _granted(1))
+    produce(kafka_bootstrap, topic, [granted, sealed("run-9", 2, _completed("ok"), granted.hash)])
+    out = subprocess.run(
+        [sys.executable, "-m", "tether_messaging.subscriber", "--bootstrap", kafka_bootstrap, "--group",
+         unique_name("sub-cli"), "--topic", topic, "--type", "RunCompleted", "--max-events", "1",
+         "--idle-exit-s", "30"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout.splitlines()
+    assert len(out) == 1
+    line = json.loads(out[0])
+    assert (line["run_id"], line["seq"], line["event_type"], line["payload"]["answer"]) == (
+        "run-9", 2, "tether.v1.RunCompleted", "ok")
