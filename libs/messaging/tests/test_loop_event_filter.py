@@ -97,3 +97,83 @@ def _run(loop: ProcessorLoop, stop: threading.Event, errors: list) -> None:
         loop.run(stop)
     except BaseException as exc:  # surfaced by the test
         errors.append(exc)
+
+
+def _deferred() -> float:
+    return REGISTRY.get_sample_value("tether_loop_batches_total", {"service": "filter", "outcome": "deferred"}) or 0.0
+
+
+def _wait(what: str, cond, errors: list, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert not errors, errors
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.integration
+def test_a_batch_of_passed_over_records_commits_nothing_and_its_offsets_follow(kafka_bootstrap: str,
+                                                                               topic_prefix: str) -> None:
+    """`passed_over_commit_ms`: such a batch sends no transaction; its offsets go with the next commit (or
+    one at most that long after the last), and a restart before that passes the records over again."""
+    topics = Topics(topic_prefix)
+    declare_topics(kafka_bootstrap, 1, ["filter"], prefix=topic_prefix)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    tp = TopicPartition(topics.commands, 0)
+    group = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": topics.group_id("filter")})
+    n = 0
+
+    def send(*payloads) -> None:
+        nonlocal n
+        for payload in payloads:
+            env = make_envelope(payload, run_id="r", tenant_id="t", event_id=f"e{n}", producer="test",
+                                recorded_at_ms=0)
+            producer.produce(topics.commands, encode(env), b"r", partition=0, headers=headers_for(env))
+            n += 1
+        assert producer.flush(30) == 0
+
+    def committed() -> int:
+        return group.committed([tp], timeout=10)[0].offset
+
+    def start(interval_ms: int):
+        processor = GrantsOnly(topics)
+        loop = ProcessorLoop(processor, LoopConfig(bootstrap=kafka_bootstrap, topics=topics,
+                                                   passed_over_commit_ms=interval_ms))
+        stop, errors = threading.Event(), []
+        thread = threading.Thread(target=lambda: _run(loop, stop, errors), daemon=True)
+        thread.start()
+        return processor, stop, errors, thread
+
+    rejected = RunRejected(request_id="q", reason_code="NO", detail="x")
+    try:
+        # A long interval: only a commit of something handled carries the passed-over offsets.
+        processor, stop, errors, thread = start(600_000)
+        send(StepGranted(step=1, remaining=REMAINING))
+        _wait("the grant's commit", lambda: committed() == 1, errors)
+        passed, deferred = _passed_over(topics.commands), _deferred()
+        send(rejected, rejected, rejected)
+        _wait("the three passed over", lambda: _passed_over(topics.commands) - passed == 3, errors)
+        _wait("their batch to end", lambda: _deferred() > deferred, errors)
+        assert committed() == 1  # no transaction: nothing committed for them
+        send(StepGranted(step=2, remaining=REMAINING))
+        _wait("the next commit", lambda: committed() == 5, errors)  # it carries the passed-over offsets
+        assert processor.handled == ["e0", "e4"]
+        # Passed over, then the process ends before any commit: the next one passes them over again.
+        passed = _passed_over(topics.commands)
+        send(rejected, rejected)
+        _wait("two more passed over", lambda: _passed_over(topics.commands) - passed == 2, errors)
+        stop.set()
+        thread.join(60)
+        assert not errors, errors
+        assert committed() == 5
+        # A short interval: the offsets follow within it even with nothing else to commit.
+        passed = _passed_over(topics.commands)
+        processor, stop, errors, thread = start(500)
+        _wait("the replayed two passed over", lambda: _passed_over(topics.commands) - passed == 2, errors)
+        _wait("their offsets committed", lambda: committed() == 7, errors)
+        assert processor.handled == []  # replayed, passed over, nothing handled twice
+    finally:
+        stop.set()
+        thread.join(60)
+        group.close()
+    assert not errors, errors

@@ -228,6 +228,13 @@ class LoopConfig:
     revoke_drain_ms: int = 5_000
     #: First backoff of a retried Kafka request of the transactional producer (see _producer_config).
     retry_backoff_ms: int = 5
+    #: A batch whose records were all passed over (event types the processor does not act on,
+    #: `event_types`) and that produced nothing commits nothing: its offsets go with the next
+    #: commit, or with one at most this long after the last (a due tick runs a batch about once
+    #: a second). A replay of such records passes them over again, so nothing depends on them
+    #: being committed; each commit saved is a transaction (AddOffsetsToTxn, TxnOffsetCommit,
+    #: EndTxn and its markers) the broker does not serve. 0 = commit every batch.
+    passed_over_commit_ms: int = 1_000
     #: How long an abort (and, at least once, an offset commit) is retried while the broker is
     #: away (restarting) before the process exits for its supervisor to restart it.
     abort_retry_s: float = 120.0
@@ -280,6 +287,7 @@ class LoopConfig:
             transaction_timeout_ms=settings.transaction_timeout_ms,
             revoke_drain_ms=settings.revoke_drain_ms,
             retry_backoff_ms=settings.kafka_retry_backoff_ms,
+            passed_over_commit_ms=settings.passed_over_commit_ms,
             schema_registry_url=settings.schema_registry_url,
             state_dir=settings.state_dir,
             state_cache_runs=settings.state_cache_runs,
@@ -342,6 +350,8 @@ class _Batch:
     touched: set[int] = field(default_factory=set)
     produced: int = 0
     handled: int = 0
+    #: Records that reached the decoder (handled, dead-lettered or failed), not just passed over.
+    decoded: int = 0
 
 
 # -- contexts handed to the processor --------------------------------------------------------
@@ -517,6 +527,9 @@ class ProcessorLoop:
         self._next: dict[TP, int] = {}
         self._holds: dict[TP, dict[int, int]] = {}
         self._committed: dict[TP, int] = {}
+        #: When offsets were last committed (monotonic): bounds how long passed-over records'
+        #: offsets may wait (`passed_over_commit_ms`).
+        self._last_commit_at = 0.0
         self._skip: dict[TP, tuple[int, frozenset[int]]] = {}
 
         self._work: dict[str, _Work] = {}
@@ -987,10 +1000,18 @@ class ProcessorLoop:
                 tick_due = False  # still due: the next batch runs it
             if tick_due:
                 self._tick(batch)
-            self._before_commit()
-            self._checkpoint(batch)
-            self._handle_seconds.observe(time.monotonic() - handling_started)
-            self._commit(batch)
+            if self._may_defer_commit(batch, finished):
+                # Only passed-over records (and perhaps a tick that did nothing): the empty
+                # transaction ends without a request (librdkafka sends no EndTxn when nothing was
+                # registered), and the offsets wait for the next commit.
+                if self._txn:
+                    self._call(lambda: self._producer.commit_transaction(30))
+                BATCHES.labels(self._name, "deferred").inc()
+            else:
+                self._before_commit()
+                self._checkpoint(batch)
+                self._handle_seconds.observe(time.monotonic() - handling_started)
+                self._commit(batch)
         except _AbortBatch as exc:
             self._abort(batch, snapshot, exc)
             return
@@ -1012,6 +1033,21 @@ class ProcessorLoop:
         WORK_IN_FLIGHT.labels(self._name).set(len(self._work))
         WORK_WAITING.labels(self._name).set(len(self._pool))
         BATCHES.labels(self._name, "committed").inc()
+
+    def _may_defer_commit(self, batch: _Batch, finished: list[_Finished]) -> bool:
+        """Whether this batch may end without committing its offsets (`passed_over_commit_ms`):
+        no record reached the decoder, nothing was produced, put, started or delivered, and the
+        last commit is recent. Every record it took is one a replay passes over again."""
+        interval = self.config.passed_over_commit_ms
+        return (
+            interval > 0
+            and not finished
+            and batch.decoded == 0
+            and batch.produced == 0
+            and not batch.states
+            and not batch.starts
+            and time.monotonic() - self._last_commit_at < interval / 1000
+        )
 
     def _before_commit(self) -> None:
         # Optional hook for at-least-once processors with external effects (the projector's
@@ -1089,6 +1125,7 @@ class ProcessorLoop:
             if event_type is not None and event_type not in wanted:
                 RECORDS.labels(self._name, m.topic(), "passed_over").inc()
                 return
+        batch.decoded += 1
         try:
             envelope = self._codec.decode_value(m.value() or b"")
             payload = open_payload(envelope)
@@ -1161,6 +1198,7 @@ class ProcessorLoop:
             (DLQ_OFFSET, str(m.offset()).encode()),
         ]
         self._produce(self._dead_letters, m.partition(), m.key(), m.value(), headers)
+        batch.produced += 1
         DEAD_LETTERS.labels(self._name, reason).inc()
         RECORDS.labels(self._name, m.topic(), "dead_lettered").inc()
         self._log.warning("dead_lettered", reason=reason, detail=detail[:500], topic=m.topic(),
@@ -1176,6 +1214,7 @@ class ProcessorLoop:
             ("tether-run", w.run_id.encode()),
         ]
         self._produce(self._dead_letters, w.partition, w.run_id.encode(), None, headers)
+        batch.produced += 1
         DEAD_LETTERS.labels(self._name, reason).inc()
         self._log.warning("work_dead_lettered", reason=reason, detail=detail[:500], key=w.key)
 
@@ -1249,6 +1288,7 @@ class ProcessorLoop:
                     "offset_commit", lambda: self._consumer.commit(offsets=offsets, asynchronous=False),
                     retriable=lambda err: err.retriable() or err.code() in _COMMIT_RETRIABLE)
         COMMIT_SECONDS.labels(self._name).observe(time.monotonic() - started)
+        self._last_commit_at = time.monotonic()
         for tp in offsets:
             self._committed[(tp.topic, tp.partition)] = tp.offset
 

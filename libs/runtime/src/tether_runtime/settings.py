@@ -88,6 +88,13 @@ class ServiceSettings(BaseSettings):
         description="First backoff of the loop producer's retried Kafka requests (librdkafka retry.backoff.ms; later "
         "retries double up to 1 s). Short, so back-to-back transactions do not wait 100 ms on CONCURRENT_TRANSACTIONS.",
     )
+    passed_over_commit_ms: int = Field(
+        1_000,
+        ge=0,
+        description="A batch whose records were all passed over (event types the service ignores) commits no "
+        "transaction; their offsets go with the next commit, or at most this long after the last. 0 = commit every "
+        "batch.",
+    )
     state_dir: str | None = Field(
         None,
         description="Directory for the loop's per-run state store (an SQLite cache of the changelog, deleted at "
