@@ -285,7 +285,7 @@ class ToolCallAuthorized(AvroRecord):
     tool_version: int = Field(description="Version of the tool snapshot (RunAccepted.tools) the arguments were checked against.")
     args_hash: str = Field(description="The authorization is bound to this hash of the canonical arguments.")
     risk_class: RiskClass = Field(description="Risk class of the tool.")
-    reasons: list[str] = Field(description="The rules that let the call run, in the order they were checked: GRANTED, IN_DELEGATED_SCOPE, ARGS_VALID, CONSTRAINTS_MET, RISK_CLASS_NEEDS_NO_APPROVAL or RISK_CLASS_WAIVED, EGRESS_UNTAINTED (docs/policy.md).")
+    reasons: list[str] = Field(description="The rules that let the call run, in the order they were checked: GRANTED, IN_DELEGATED_SCOPE, ARGS_VALID, CONSTRAINTS_MET, RISK_CLASS_NEEDS_NO_APPROVAL or RISK_CLASS_WAIVED, EGRESS_UNTAINTED or EGRESS_FOLLOWS_LINK (docs/policy.md).")
     policy_version: str = Field(description="Version of the policy the decision was made under.")
     inputs_hash: str = Field(description="SHA-256 of the canonical decision inputs, so an auditor can re-derive the decision.")
 
