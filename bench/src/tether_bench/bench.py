@@ -45,6 +45,7 @@ from tether_bench.common import (
     percentile,
     rounded,
     rss_kb,
+    stop_cleanly_on_sigterm,
 )
 from tether_bench.hops import Snapshot, hop_means, scrape
 from tether_bench.heap import consumer_lag, heap_growth, marginal_kb_per_run, mb_per_10k, request_snapshots
@@ -600,6 +601,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
+    stop_cleanly_on_sigterm()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     settings = BenchSettings()
     bench = Bench(settings, StackSettings())

@@ -27,7 +27,7 @@ import psycopg
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tether_bench.common import BenchError, LoadSampler, StackControl, StackSettings, machine
+from tether_bench.common import BenchError, LoadSampler, StackControl, StackSettings, machine, stop_cleanly_on_sigterm
 from tether_bench.invariants import Evidence, Fault, check, violated
 from tether_bench.load import ApproverBot, ClosedLoop, make_tenants
 from tether_bench.observer import LogObserver
@@ -87,8 +87,20 @@ class Chaos:
         self._down: set[str] = set()  # components the fault loop took down (the supervisor leaves them)
         self._lock = threading.Lock()
         self._stop_faults = threading.Event()
+        self._stop_supervisor = threading.Event()
+        #: Set when the run is cut short (SIGTERM, an error): nothing starts a process any more.
+        self._aborted = threading.Event()
         self._restarts: list[threading.Thread] = []
         self.load = LoadSampler()
+
+    def abort(self) -> None:
+        """Stop every thread that could start a service again, before the system is stopped: a
+        restart after `system.stop()` would leave a process behind (a SIGTERM did, once)."""
+        self._aborted.set()
+        self._stop_faults.set()
+        self._stop_supervisor.set()
+        for thread in self._restarts:
+            thread.join(timeout=30)
 
     def note(self, **entry: Any) -> None:
         entry["t_ms"] = round(time.time() * 1000)
@@ -139,7 +151,8 @@ class Chaos:
             return  # already dead: the supervisor restarts it
 
         def later() -> None:
-            time.sleep(self.rng.uniform(self.s.restart_after_min_s, self.s.restart_after_max_s))
+            if self._aborted.wait(self.rng.uniform(self.s.restart_after_min_s, self.s.restart_after_max_s)):
+                return
             try:
                 self.system.restart(name)
                 self.note(fault="restarted", target=name, pid=self.system.processes[name].pid)
@@ -203,7 +216,7 @@ class Chaos:
                 proc = self.system.processes[name]
                 with self._lock:
                     ours = name in self._down
-                if ours or proc.running:
+                if ours or proc.running or self._aborted.is_set():
                     continue
                 with self._lock:
                     self._down.add(name)
@@ -228,7 +241,6 @@ class Chaos:
         info: dict[str, Any] = {"seed": self.seed, "machine": machine(), "seconds": self.s.seconds}
         self.start()
         info["namespace"] = self.system.namespace
-        self._stop_supervisor = threading.Event()
         supervisor = threading.Thread(target=self._supervise, daemon=True)
         supervisor.start()
         clients = threading.Thread(target=self.driver.run, args=(24 * 3600,), daemon=True)
@@ -318,6 +330,7 @@ class Chaos:
 
 
 def main() -> int:
+    stop_cleanly_on_sigterm()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     chaos = Chaos(ChaosSettings(), StackSettings())
     print(f"chaos: seed {chaos.seed}, {chaos.s.seconds:.0f}s of faults, workdir {chaos.workdir}", file=sys.stderr,
@@ -325,6 +338,7 @@ def main() -> int:
     try:
         report = chaos.run()
     except BaseException:
+        chaos.abort()
         system = getattr(chaos, "system", None)
         if system is not None:
             system.stop()
