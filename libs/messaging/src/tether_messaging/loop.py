@@ -67,7 +67,7 @@ from tether_messaging.registry import envelope_codec
 from tether_messaging.serde import SerdeError, open_payload
 from tether_messaging.statestore import StateStore
 from tether_messaging.topics import Topics
-from tether_runtime.settings import ServiceSettings
+from tether_runtime.settings import LoopServiceSettings
 
 log = structlog.get_logger("tether_messaging.loop")
 
@@ -271,7 +271,7 @@ class LoopConfig:
     state_cache_runs: int = 256
 
     @classmethod
-    def from_settings(cls, settings: ServiceSettings, **overrides: Any) -> LoopConfig:
+    def from_settings(cls, settings: LoopServiceSettings, **overrides: Any) -> LoopConfig:
         """The loop configuration a service's settings describe."""
         values: dict[str, Any] = dict(
             bootstrap=settings.kafka_bootstrap,
@@ -1440,7 +1440,7 @@ def _describe(exc: BaseException) -> str:
 
 def serve_processor(
     processor: Processor,
-    settings: ServiceSettings,
+    settings: LoopServiceSettings,
     *,
     stop: threading.Event | None = None,
     start_up: Callable[[threading.Event], None] | None = None,

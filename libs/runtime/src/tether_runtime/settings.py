@@ -59,6 +59,13 @@ class ServiceSettings(BaseSettings):
         description="How long start-up retries an unreachable PostgreSQL (with backoff, /readyz not ready) "
         "before the process exits 1.",
     )
+
+
+class LoopServiceSettings(ServiceSettings):
+    """Settings of a service on the run loop (`tether_messaging.loop`): the base fields plus the
+    loop's knobs, read under the subclass's prefix like the rest. run-api, which has no loop,
+    inherits `ServiceSettings` and so reads none of them."""
+
     batch_max_ms: int = Field(100, ge=1, description="Longest a loop batch collects input before it commits.")
     batch_max_messages: int = Field(500, ge=1, description="Most input records per loop batch/transaction.")
     work_threads: int = Field(8, ge=1, description="Threads running slow work (model calls, tool executions).")
