@@ -65,4 +65,4 @@ def test_a_service_without_the_loop_reads_none_of_its_knobs(monkeypatch: pytest.
     monkeypatch.setenv("TETHER_API_BATCH_MAX_MS", "25")
     fields = set(ApiSettings.model_fields)
     assert "batch_max_ms" not in fields and "work_threads" not in fields and "state_cache_runs" not in fields
-    assert {"batch_max_ms", "work_threads", "passed_over_commit_ms"} <= set(LoopServiceSettings.model_fields)
+    assert {"batch_max_ms", "work_threads", "noop_commit_ms"} <= set(LoopServiceSettings.model_fields)

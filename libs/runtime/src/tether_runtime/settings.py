@@ -95,12 +95,12 @@ class LoopServiceSettings(ServiceSettings):
         description="First backoff of the loop producer's retried Kafka requests (librdkafka retry.backoff.ms; later "
         "retries double up to 1 s). Short, so back-to-back transactions do not wait 100 ms on CONCURRENT_TRANSACTIONS.",
     )
-    passed_over_commit_ms: int = Field(
+    noop_commit_ms: int = Field(
         1_000,
         ge=0,
-        description="A batch whose records were all passed over (event types the service ignores) commits no "
-        "transaction; their offsets go with the next commit, or at most this long after the last. 0 = commit every "
-        "batch.",
+        description="A batch that changed nothing (its records passed over, or handled without emitting, putting "
+        "state or starting work) commits no transaction; its offsets go with the next commit, or at most this long "
+        "after the last. 0 = commit every batch.",
     )
     state_dir: str | None = Field(
         None,

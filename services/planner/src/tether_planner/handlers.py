@@ -179,7 +179,7 @@ def on_tool_outcome(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
 # The planner's own events come back sequenced (ModelCallCompleted, ToolCallRequested,
 # ModelCallFailed): on_step_work_done applied them already, so their fold changes nothing and the
 # handlers put no state (no checkpoint of the whole conversation, and with nothing else in the
-# batch the loop commits nothing: `passed_over_commit_ms`). `last_seq` is not advanced past such an
+# batch the loop commits nothing: `noop_commit_ms`). `last_seq` is not advanced past such an
 # echo; it only tells folds that do change the state whether their event is already in, and an
 # echo replayed after a crash is recognised by its step or call instead. Folding them matters only
 # for a state rebuilt from the log.
