@@ -21,14 +21,14 @@ from tether_messaging.envelopes import derived_id
 from tether_messaging.loop import serve_processor
 from tether_messaging.processor import Context, Inbound, PydanticStateCodec, TickContext, WorkDone
 from tether_messaging.topics import Topics
-from tether_runtime.settings import ServiceSettings
+from tether_runtime.settings import LoopServiceSettings
 
 WORK_EVERY = 7
 NAME = "eos"
 REMAINING = Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)
 
 
-class EosSettings(ServiceSettings):
+class EosSettings(LoopServiceSettings):
     model_config = SettingsConfigDict(env_prefix="TETHER_EOS_")
     work_sleep_ms: int = 30
     #: None: as a service decides it (static when the instance id is set); True/False forces it.

@@ -28,9 +28,15 @@ class GrantsOnly:
         self.inputs = [topics.commands]
         self.event_types = {topics.commands: frozenset({StepGranted.AVRO_NAME})}
         self.handled: list[str] = []
+        self.emit_on_grant = False
+        self.out_topic = topics.run_intake
 
     def handle(self, msg: Inbound, ctx: Context) -> None:
         self.handled.append(msg.envelope.event_id)
+        if self.emit_on_grant and isinstance(msg.payload, StepGranted) and msg.payload.step > 0:
+            # An effect: the batch must commit. A grant of step 0 is handled without one.
+            ctx.emit(self.out_topic, msg.payload, run_id=msg.envelope.run_id, tenant_id=msg.envelope.tenant_id,
+                     event_id=f"out-{msg.envelope.event_id}")
 
     def on_work_done(self, done: WorkDone, ctx: Context) -> None:
         raise AssertionError("no work")
@@ -112,10 +118,11 @@ def _wait(what: str, cond, errors: list, timeout_s: float = 60.0) -> None:
 
 
 @pytest.mark.integration
-def test_a_batch_of_passed_over_records_commits_nothing_and_its_offsets_follow(kafka_bootstrap: str,
-                                                                               topic_prefix: str) -> None:
-    """`passed_over_commit_ms`: such a batch sends no transaction; its offsets go with the next commit (or
-    one at most that long after the last), and a restart before that passes the records over again."""
+def test_a_batch_that_changes_nothing_commits_nothing_and_its_offsets_follow(kafka_bootstrap: str,
+                                                                             topic_prefix: str) -> None:
+    """`noop_commit_ms`: a batch of passed-over records, or of records handled without an effect, sends no
+    transaction; its offsets go with the next commit (or one at most that long after the last), and a
+    restart before that meets the records again and changes nothing again."""
     topics = Topics(topic_prefix)
     declare_topics(kafka_bootstrap, 1, ["filter"], prefix=topic_prefix)
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
@@ -137,8 +144,9 @@ def test_a_batch_of_passed_over_records_commits_nothing_and_its_offsets_follow(k
 
     def start(interval_ms: int):
         processor = GrantsOnly(topics)
+        processor.emit_on_grant = True
         loop = ProcessorLoop(processor, LoopConfig(bootstrap=kafka_bootstrap, topics=topics,
-                                                   passed_over_commit_ms=interval_ms))
+                                                   noop_commit_ms=interval_ms))
         stop, errors = threading.Event(), []
         thread = threading.Thread(target=lambda: _run(loop, stop, errors), daemon=True)
         thread.start()
@@ -151,13 +159,14 @@ def test_a_batch_of_passed_over_records_commits_nothing_and_its_offsets_follow(k
         send(StepGranted(step=1, remaining=REMAINING))
         _wait("the grant's commit", lambda: committed() == 1, errors)
         passed, deferred = _passed_over(topics.commands), _deferred()
-        send(rejected, rejected, rejected)
-        _wait("the three passed over", lambda: _passed_over(topics.commands) - passed == 3, errors)
-        _wait("their batch to end", lambda: _deferred() > deferred, errors)
+        send(rejected, StepGranted(step=0, remaining=REMAINING), rejected)  # passed over, no effect, passed over
+        _wait("the three taken", lambda: _passed_over(topics.commands) - passed == 2 and len(processor.handled) == 2,
+              errors)
+        _wait("their batches to end", lambda: _deferred() > deferred, errors)
         assert committed() == 1  # no transaction: nothing committed for them
         send(StepGranted(step=2, remaining=REMAINING))
-        _wait("the next commit", lambda: committed() == 5, errors)  # it carries the passed-over offsets
-        assert processor.handled == ["e0", "e4"]
+        _wait("the next commit", lambda: committed() == 5, errors)  # it carries the deferred offsets
+        assert processor.handled == ["e0", "e2", "e4"]
         # Passed over, then the process ends before any commit: the next one passes them over again.
         passed = _passed_over(topics.commands)
         send(rejected, rejected)

@@ -6,10 +6,10 @@ import pytest
 from pydantic import ValidationError
 from pydantic_settings import SettingsConfigDict
 
-from tether_runtime.settings import ServiceSettings
+from tether_runtime.settings import LoopServiceSettings, ServiceSettings
 
 
-class BudgetSettings(ServiceSettings):
+class BudgetSettings(LoopServiceSettings):
     model_config = SettingsConfigDict(env_prefix="TETHER_BUDGET_")
     tenant_cap: int = 5
 
@@ -56,3 +56,13 @@ def test_invalid_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TETHER_PARTITIONS", "0")
     with pytest.raises(ValidationError):
         BudgetSettings()
+
+
+def test_a_service_without_the_loop_reads_none_of_its_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    class ApiSettings(ServiceSettings):
+        model_config = SettingsConfigDict(env_prefix="TETHER_API_")
+
+    monkeypatch.setenv("TETHER_API_BATCH_MAX_MS", "25")
+    fields = set(ApiSettings.model_fields)
+    assert "batch_max_ms" not in fields and "work_threads" not in fields and "state_cache_runs" not in fields
+    assert {"batch_max_ms", "work_threads", "noop_commit_ms"} <= set(LoopServiceSettings.model_fields)

@@ -510,3 +510,22 @@ def test_run_completed_from_the_log_drops_the_state(harness) -> None:
     h.accept(run, "[t:final] d")
     h.log(run, RunCompleted(step=1, answer="x", usage=Usage()))
     assert run not in h.driver.states
+
+
+def test_the_planners_own_events_coming_back_put_no_state(harness) -> None:
+    # The echoes of a step's outcome were applied when the model answered: folding them again
+    # would only checkpoint the whole conversation for nothing (and make the loop commit).
+    h, run = harness, "run-echo"
+    h.accept(run, "[t:happy] echo")
+    h.grant(run, 1)
+    out = h.work()
+    state, puts = h.driver.states[run], len(h.driver.puts)
+    h.echo(run, out)
+    assert h.driver.puts[puts:] == [] and h.driver.states[run] == state
+    # The tool outcomes do change the state, once each, and a replayed echo still changes nothing.
+    for r in out[1:]:
+        h.complete(run, r, {"ok": True})
+    assert len(h.driver.puts) - puts == len(out) - 1
+    folded, puts = h.driver.states[run], len(h.driver.puts)
+    h.echo(run, out[:1])
+    assert h.driver.puts[puts:] == [] and h.driver.states[run] == folded

@@ -67,7 +67,7 @@ from tether_messaging.registry import envelope_codec
 from tether_messaging.serde import SerdeError, open_payload
 from tether_messaging.statestore import StateStore
 from tether_messaging.topics import Topics
-from tether_runtime.settings import ServiceSettings
+from tether_runtime.settings import LoopServiceSettings
 
 log = structlog.get_logger("tether_messaging.loop")
 
@@ -228,13 +228,17 @@ class LoopConfig:
     revoke_drain_ms: int = 5_000
     #: First backoff of a retried Kafka request of the transactional producer (see _producer_config).
     retry_backoff_ms: int = 5
-    #: A batch whose records were all passed over (event types the processor does not act on,
-    #: `event_types`) and that produced nothing commits nothing: its offsets go with the next
-    #: commit, or with one at most this long after the last (a due tick runs a batch about once
-    #: a second). A replay of such records passes them over again, so nothing depends on them
+    #: A batch that changed nothing — its records passed over (event types the processor does
+    #: not act on, `event_types`) or handled without emitting, putting state or starting work,
+    #: no work delivered — commits nothing: its offsets go with the next commit, or with one at
+    #: most this long after the last (a due tick runs a batch about once a second). A replay of
+    #: such records meets the same committed state and changes nothing again (handlers decide
+    #: from the state and the record: the replay contract below), so nothing depends on them
     #: being committed; each commit saved is a transaction (AddOffsetsToTxn, TxnOffsetCommit,
-    #: EndTxn and its markers) the broker does not serve. 0 = commit every batch.
-    passed_over_commit_ms: int = 1_000
+    #: EndTxn and its markers) the broker does not serve. Records handled by an at-least-once
+    #: processor or one with `before_commit` (external effects) are always committed. 0 = commit
+    #: every batch.
+    noop_commit_ms: int = 1_000
     #: How long an abort (and, at least once, an offset commit) is retried while the broker is
     #: away (restarting) before the process exits for its supervisor to restart it.
     abort_retry_s: float = 120.0
@@ -271,7 +275,7 @@ class LoopConfig:
     state_cache_runs: int = 256
 
     @classmethod
-    def from_settings(cls, settings: ServiceSettings, **overrides: Any) -> LoopConfig:
+    def from_settings(cls, settings: LoopServiceSettings, **overrides: Any) -> LoopConfig:
         """The loop configuration a service's settings describe."""
         values: dict[str, Any] = dict(
             bootstrap=settings.kafka_bootstrap,
@@ -287,7 +291,7 @@ class LoopConfig:
             transaction_timeout_ms=settings.transaction_timeout_ms,
             revoke_drain_ms=settings.revoke_drain_ms,
             retry_backoff_ms=settings.kafka_retry_backoff_ms,
-            passed_over_commit_ms=settings.passed_over_commit_ms,
+            noop_commit_ms=settings.noop_commit_ms,
             schema_registry_url=settings.schema_registry_url,
             state_dir=settings.state_dir,
             state_cache_runs=settings.state_cache_runs,
@@ -528,7 +532,7 @@ class ProcessorLoop:
         self._holds: dict[TP, dict[int, int]] = {}
         self._committed: dict[TP, int] = {}
         #: When offsets were last committed (monotonic): bounds how long passed-over records'
-        #: offsets may wait (`passed_over_commit_ms`).
+        #: offsets may wait (`noop_commit_ms`).
         self._last_commit_at = 0.0
         self._skip: dict[TP, tuple[int, frozenset[int]]] = {}
 
@@ -1000,13 +1004,12 @@ class ProcessorLoop:
                 tick_due = False  # still due: the next batch runs it
             if tick_due:
                 self._tick(batch)
-            if self._may_defer_commit(batch, finished):
-                # Only passed-over records (and perhaps a tick that did nothing): the empty
-                # transaction ends without a request (librdkafka sends no EndTxn when nothing was
-                # registered), and the offsets wait for the next commit.
+            deferred = self._may_defer_commit(batch, finished)
+            if deferred:
+                # Nothing changed: the empty transaction ends without a request (librdkafka sends
+                # no EndTxn when nothing was registered), and the offsets wait for the next commit.
                 if self._txn:
                     self._call(lambda: self._producer.commit_transaction(30))
-                BATCHES.labels(self._name, "deferred").inc()
             else:
                 self._before_commit()
                 self._checkpoint(batch)
@@ -1032,17 +1035,18 @@ class ProcessorLoop:
             self._pool.put(w.tenant_id, w)
         WORK_IN_FLIGHT.labels(self._name).set(len(self._work))
         WORK_WAITING.labels(self._name).set(len(self._pool))
-        BATCHES.labels(self._name, "committed").inc()
+        BATCHES.labels(self._name, "deferred" if deferred else "committed").inc()
 
     def _may_defer_commit(self, batch: _Batch, finished: list[_Finished]) -> bool:
-        """Whether this batch may end without committing its offsets (`passed_over_commit_ms`):
-        no record reached the decoder, nothing was produced, put, started or delivered, and the
-        last commit is recent. Every record it took is one a replay passes over again."""
-        interval = self.config.passed_over_commit_ms
+        """Whether this batch may end without committing its offsets (`noop_commit_ms`): nothing
+        was produced (outputs, dead letters), put, started or delivered; records that reached a
+        handler only on an exactly-once loop without `before_commit`; and the last commit is recent."""
+        interval = self.config.noop_commit_ms
+        handled_ok = batch.decoded == 0 or (self._txn and getattr(self.processor, "before_commit", None) is None)
         return (
             interval > 0
             and not finished
-            and batch.decoded == 0
+            and handled_ok
             and batch.produced == 0
             and not batch.states
             and not batch.starts
@@ -1440,7 +1444,7 @@ def _describe(exc: BaseException) -> str:
 
 def serve_processor(
     processor: Processor,
-    settings: ServiceSettings,
+    settings: LoopServiceSettings,
     *,
     stop: threading.Event | None = None,
     start_up: Callable[[threading.Event], None] | None = None,

@@ -51,6 +51,8 @@ class InMemoryDriver:
     emitted: list[Emitted] = field(default_factory=list)
     states: dict[str, Any] = field(default_factory=dict)
     pending: dict[str, _PendingWork] = field(default_factory=dict)
+    #: Run ids in the order handlers put their state: each put is a changelog write in the loop.
+    puts: list[str] = field(default_factory=list)
     _offsets: dict[tuple[str, int], int] = field(default_factory=dict)
 
     # -- feeding -------------------------------------------------------------------------
@@ -152,6 +154,7 @@ class _Ctx:
         return self._d.states.get(run_id)
 
     def put_state(self, run_id: str, state: Any | None) -> None:
+        self._d.puts.append(run_id)
         if state is None:
             self._d.states.pop(run_id, None)
         else:

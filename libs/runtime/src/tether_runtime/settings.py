@@ -59,6 +59,13 @@ class ServiceSettings(BaseSettings):
         description="How long start-up retries an unreachable PostgreSQL (with backoff, /readyz not ready) "
         "before the process exits 1.",
     )
+
+
+class LoopServiceSettings(ServiceSettings):
+    """Settings of a service on the run loop (`tether_messaging.loop`): the base fields plus the
+    loop's knobs, read under the subclass's prefix like the rest. run-api, which has no loop,
+    inherits `ServiceSettings` and so reads none of them."""
+
     batch_max_ms: int = Field(100, ge=1, description="Longest a loop batch collects input before it commits.")
     batch_max_messages: int = Field(500, ge=1, description="Most input records per loop batch/transaction.")
     work_threads: int = Field(8, ge=1, description="Threads running slow work (model calls, tool executions).")
@@ -88,12 +95,12 @@ class ServiceSettings(BaseSettings):
         description="First backoff of the loop producer's retried Kafka requests (librdkafka retry.backoff.ms; later "
         "retries double up to 1 s). Short, so back-to-back transactions do not wait 100 ms on CONCURRENT_TRANSACTIONS.",
     )
-    passed_over_commit_ms: int = Field(
+    noop_commit_ms: int = Field(
         1_000,
         ge=0,
-        description="A batch whose records were all passed over (event types the service ignores) commits no "
-        "transaction; their offsets go with the next commit, or at most this long after the last. 0 = commit every "
-        "batch.",
+        description="A batch that changed nothing (its records passed over, or handled without emitting, putting "
+        "state or starting work) commits no transaction; its offsets go with the next commit, or at most this long "
+        "after the last. 0 = commit every batch.",
     )
     state_dir: str | None = Field(
         None,

@@ -33,8 +33,8 @@ Every service reads its environment once, into one settings class (docs/configur
 the scheme: fixed `TETHER_*` names for shared infrastructure, the service's own prefix for the
 rest). Below, per service, every variable it reads, its default and what it means. Secrets are
 marked; their values come from the environment or a mounted Secret and are never logged. The
-loop's knobs (`…_BATCH_MAX_MS` through `…_STATE_CACHE_RUNS`) are read by every service but used
-only by the five on the run loop, not by run-api.
+loop's knobs (`…_BATCH_MAX_MS` through `…_STATE_CACHE_RUNS`, `tether_runtime.settings.LoopServiceSettings`)
+are read by the five services on the run loop; run-api has no loop and reads none of them.
 """
 
 

@@ -6,10 +6,10 @@ from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from tether_approval.domain.decisions import DAY_MS
-from tether_runtime.settings import ServiceSettings
+from tether_runtime.settings import LoopServiceSettings
 
 
-class ApprovalSettings(ServiceSettings):
+class ApprovalSettings(LoopServiceSettings):
     """Everything `python -m tether_approval` reads from the environment."""
 
     model_config = SettingsConfigDict(env_prefix="TETHER_APPROVAL_", extra="ignore", populate_by_name=True)

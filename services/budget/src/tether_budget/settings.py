@@ -5,10 +5,10 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from tether_runtime.settings import ServiceSettings
+from tether_runtime.settings import LoopServiceSettings
 
 
-class BudgetSettings(ServiceSettings):
+class BudgetSettings(LoopServiceSettings):
     """Everything `python -m tether_budget` reads from the environment."""
 
     model_config = SettingsConfigDict(env_prefix="TETHER_BUDGET_", extra="ignore", populate_by_name=True)

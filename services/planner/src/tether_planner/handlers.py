@@ -176,13 +176,22 @@ def on_tool_outcome(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
     ctx.put_state(run_id, st.record_tool_outcome(state, message, msg.envelope.seq))
 
 
+# The planner's own events come back sequenced (ModelCallCompleted, ToolCallRequested,
+# ModelCallFailed): on_step_work_done applied them already, so their fold changes nothing and the
+# handlers put no state (no checkpoint of the whole conversation, and with nothing else in the
+# batch the loop commits nothing: `noop_commit_ms`). `last_seq` is not advanced past such an
+# echo; it only tells folds that do change the state whether their event is already in, and an
+# echo replayed after a crash is recognised by its step or call instead. Folding them matters only
+# for a state rebuilt from the log.
+
+
 def on_model_call_completed(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
-    # Normally the planner's own event coming back sequenced, already applied by
-    # on_step_work_done; folding it only matters for a state rebuilt from the log.
     run_id, event = msg.envelope.run_id, msg.payload
     state: st.RunState | None = ctx.get_state(run_id)
     if state is None or state.seen(msg.envelope.seq) or not isinstance(event, ModelCallCompleted):
         return
+    if event.step <= state.done_step:
+        return  # an echo of an outcome already recorded
     usage = UsageTotals(
         input_tokens=event.usage.input_tokens,
         output_tokens=event.usage.output_tokens,
@@ -197,6 +206,8 @@ def on_tool_call_requested(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
     if state is None or state.seen(msg.envelope.seq) or not isinstance(event, ToolCallRequested):
         return
     c = event.call
+    if st.has_tool_call(state, event.step, c.call_id):
+        return  # an echo of a call already in the step's assistant message
     ref = ToolCallRef(id=c.provider_call_id or c.call_id, name=c.tool_name, arguments=c.args_json, call_id=c.call_id)
     ctx.put_state(run_id, st.record_tool_call_seen(state, event.step, ref, msg.envelope.seq))
 
@@ -206,6 +217,8 @@ def on_model_call_failed(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
     state: st.RunState | None = ctx.get_state(run_id)
     if state is None or state.seen(msg.envelope.seq) or not isinstance(event, ModelCallFailed):
         return
+    if event.step <= state.done_step:
+        return  # an echo: the step is done (and a later pending step is not this one)
     ctx.put_state(run_id, st.record_step_failed_seen(state, event.step, msg.envelope.seq))
 
 

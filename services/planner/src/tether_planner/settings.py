@@ -8,10 +8,10 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from tether_runtime.settings import ServiceSettings
+from tether_runtime.settings import LoopServiceSettings
 
 
-class PlannerSettings(ServiceSettings):
+class PlannerSettings(LoopServiceSettings):
     """Everything `python -m tether_planner` reads from the environment.
 
     API keys are `SecretStr`: they are handed to the adapters' HTTP headers and nowhere else

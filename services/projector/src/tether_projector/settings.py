@@ -6,12 +6,12 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from tether_messaging.topics import Topics
-from tether_runtime.settings import ServiceSettings
+from tether_runtime.settings import LoopServiceSettings
 
 DAY_S = 24 * 3600
 
 
-class ProjectorSettings(ServiceSettings):
+class ProjectorSettings(LoopServiceSettings):
     """Everything `python -m tether_projector` reads from the environment."""
 
     model_config = SettingsConfigDict(env_prefix="TETHER_PROJECTOR_", extra="ignore", populate_by_name=True)

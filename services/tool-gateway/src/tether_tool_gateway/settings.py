@@ -5,10 +5,10 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from tether_runtime.settings import ServiceSettings
+from tether_runtime.settings import LoopServiceSettings
 
 
-class GatewaySettings(ServiceSettings):
+class GatewaySettings(LoopServiceSettings):
     """Everything `python -m tether_tool_gateway` reads from the environment."""
 
     model_config = SettingsConfigDict(env_prefix="TETHER_GATEWAY_", extra="ignore", populate_by_name=True)

@@ -197,6 +197,14 @@ def record_model_call_seen(
     )
 
 
+def has_tool_call(state: RunState, step: int, call_id: str) -> bool:
+    """Whether the step's assistant message already carries the call (recorded with the step's outcome)."""
+    for m in reversed(state.messages):
+        if m.role == "assistant" and m.step == step and not m.repair:
+            return any(c.call_id == call_id for c in m.tool_calls)
+    return False
+
+
 def record_tool_call_seen(state: RunState, step: int, ref: ToolCallRef, seq: int | None) -> RunState:
     """Fold a ToolCallRequested from the log into its step's assistant message, unless already there."""
     messages = list(state.messages)
@@ -213,10 +221,6 @@ def record_step_failed_seen(state: RunState, step: int, seq: int | None) -> RunS
     done = max(state.done_step, step)
     pending = None if state.pending is not None and state.pending.step <= done else state.pending
     return state.model_copy(update={"done_step": done, "pending": pending, "last_seq": state.after(seq)})
-
-
-def advance(state: RunState, seq: int | None) -> RunState:
-    return state.model_copy(update={"last_seq": state.after(seq)})
 
 
 # -- the outcome of a step's model call ----------------------------------------------------------
