@@ -67,6 +67,19 @@ def _register_http_get_with_token(system: TetherSystem) -> None:
         pool.close()
 
 
+def _first_approval(system: TetherSystem, run_id: str, timeout_s: float = 120.0) -> Any:
+    """The run's first approval request, as an approver sees it (waits for the gateway to park a call)."""
+    deadline = time.monotonic() + timeout_s
+    while not (listed := system.approver.approvals.ListApprovals(
+            approvals_pb.ListApprovalsRequest(run_id=run_id), metadata=system.approver.metadata,
+            timeout=30).approvals):
+        if time.monotonic() > deadline:
+            pytest.fail("no approval request\n" + system.log_tail("tool-gateway", 30) + system.log_tail("planner", 20))
+        time.sleep(0.3)
+    return system.approver.approvals.GetApproval(approvals_pb.GetApprovalRequest(
+        approval_id=listed[0].approval_id), metadata=system.approver.metadata, timeout=30).approval
+
+
 def _entry(provenance: Any, pointer: str) -> Any:
     """The provenance entry of one argument, wherever the document nests it."""
     if isinstance(provenance, dict):
@@ -86,15 +99,7 @@ def test_an_injected_email_waits_for_a_human_shows_its_untrusted_origin_and_the_
     run_id = system.client.submit(f"[scenario:e2e-injection] Summarise {page} for me.")
 
     # The model obeyed the page and proposed the email; the gateway parked it for a human.
-    deadline = time.monotonic() + 120
-    while not (listed := system.approver.approvals.ListApprovals(
-            approvals_pb.ListApprovalsRequest(run_id=run_id), metadata=system.approver.metadata,
-            timeout=30).approvals):
-        if time.monotonic() > deadline:
-            pytest.fail("no approval request\n" + system.log_tail("tool-gateway", 30) + system.log_tail("planner", 20))
-        time.sleep(0.3)
-    approval = system.approver.approvals.GetApproval(approvals_pb.GetApprovalRequest(
-        approval_id=listed[0].approval_id), metadata=system.approver.metadata, timeout=30).approval
+    approval = _first_approval(system, run_id)
     assert approval.tool_name == "send_email"
     assert json.loads(approval.args_json)["to"] == ATTACKER
     assert "TAINTED_EGRESS" in approval.reasons, list(approval.reasons)
@@ -139,15 +144,7 @@ def test_a_tainted_run_follows_a_link_it_was_given_but_a_url_it_composed_waits_f
     run_id = system.client.submit(f"[scenario:e2e-links] Read {page} twice.")
     composed = f"{page}&d={run_id}"
 
-    deadline = time.monotonic() + 120
-    while not (listed := system.approver.approvals.ListApprovals(
-            approvals_pb.ListApprovalsRequest(run_id=run_id), metadata=system.approver.metadata,
-            timeout=30).approvals):
-        if time.monotonic() > deadline:
-            pytest.fail("no approval request\n" + system.log_tail("tool-gateway", 30) + system.log_tail("planner", 20))
-        time.sleep(0.3)
-    approval = system.approver.approvals.GetApproval(approvals_pb.GetApprovalRequest(
-        approval_id=listed[0].approval_id), metadata=system.approver.metadata, timeout=30).approval
+    approval = _first_approval(system, run_id)
     assert approval.tool_name == "http_get" and json.loads(approval.args_json)["url"] == composed
     assert list(approval.reasons) == ["TAINTED_EGRESS"]
 
