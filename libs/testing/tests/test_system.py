@@ -62,3 +62,30 @@ def test_more_instances_only_of_loop_services_and_never_in_slot_zero(tmp_path) -
         system.start_instance("run-api", 1)
     with pytest.raises(TetherSystemError):
         system.start_instance("planner", 0)
+
+
+def test_the_pid_file_survives_writers_on_many_threads(tmp_path) -> None:
+    # make chaos kills and restarts services from several threads; two writers of the one temporary
+    # file once raced (FileNotFoundError), which ended its kill loop early.
+    import threading
+
+    from tether_testing.system import SystemConfig, TetherSystem
+
+    system = TetherSystem(SystemConfig(kafka_bootstrap="127.0.0.1:1", pg_dsn="postgresql://x@127.0.0.1:1/x",
+                                       redis_url="redis://127.0.0.1:1/0", workdir=tmp_path))
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for _ in range(300):
+                system._write_state()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert json.loads((tmp_path / "processes.json").read_text())["processes"] == []

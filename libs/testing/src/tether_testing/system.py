@@ -28,6 +28,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -343,6 +344,8 @@ class TetherSystem:
         self.state_dir = Path(config.state_dir or config.workdir)
         self.log_dir = self.workdir / "logs"
         self.processes: dict[str, ServiceProcess] = {}
+        #: Kills and restarts come from several threads (make chaos): one writer of the PID file at a time.
+        self._state_lock = threading.Lock()
         self.sink_urls: dict[str, str] = {}
         self.smtp_port = 0
         self.model_base_url: str | None = None
@@ -484,15 +487,18 @@ class TetherSystem:
         return True
 
     def _write_state(self) -> None:
-        records = [
-            {"name": name, "pid": proc.pid, "argv": self._argv[name], "log": str(proc.log_path)}
-            for name, proc in self.processes.items()
-            if self._spawned(proc) and proc.running
-        ]
-        path = self.state_dir / _STATE_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"namespace": self.namespace, "processes": records}, indent=1))
-        tmp.replace(path)
+        # Under a lock: two threads writing the one temporary file raced (one renamed it away
+        # under the other), and the FileNotFoundError ended `make chaos`'s kill loop early.
+        with self._state_lock:
+            records = [
+                {"name": name, "pid": proc.pid, "argv": self._argv[name], "log": str(proc.log_path)}
+                for name, proc in list(self.processes.items())
+                if self._spawned(proc) and proc.running
+            ]
+            path = self.state_dir / _STATE_FILE
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"namespace": self.namespace, "processes": records}, indent=1))
+            tmp.replace(path)
 
     def _bootstrap_tenant(self) -> Bootstrap:
         return self.bootstrap_tenant(self.config.tenant_id, principal_id=self.config.principal_id,
