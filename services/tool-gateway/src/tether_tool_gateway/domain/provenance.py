@@ -75,24 +75,13 @@ def cap_source(source: Source, room: int) -> Source:
     return source.model_copy(update={"text": source.text[:limit], "truncated": True})
 
 
-def _leaves(value: Any, path: str = "") -> Iterator[tuple[str, str]]:
-    if isinstance(value, dict):
-        for k in sorted(value):
-            yield from _leaves(value[k], f"{path}/{str(k).replace('~', '~0').replace('/', '~1')}")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _leaves(v, f"{path}/{i}")
-    elif isinstance(value, str):
-        yield path, value
-
-
 #: What separates the links (and other words) of a text: whitespace, quotes, brackets and the
 #: characters HTML and Markdown put around a link (`href="…"`, `<…>`, `[…](…)`).
 _TOKEN_SEPARATORS = re.compile(r"""[\s"'`<>()\[\]{}|^]+""")
 
 
 def _all_leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """Every leaf of a JSON value with its JSON pointer, strings or not (`_leaves` keeps strings)."""
+    """Every leaf of a JSON value with its JSON pointer, strings or not."""
     if isinstance(value, dict):
         for k in sorted(value):
             yield from _all_leaves(value[k], f"{path}/{str(k).replace('~', '~0').replace('/', '~1')}")
@@ -101,6 +90,11 @@ def _all_leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
             yield from _all_leaves(v, f"{path}/{i}")
     else:
         yield path, value
+
+
+def _leaves(value: Any) -> Iterator[tuple[str, str]]:
+    """The string leaves: what provenance attributes."""
+    return ((path, v) for path, v in _all_leaves(value) if isinstance(v, str))
 
 
 def copied_args(args: Any, sources: Sequence[Source]) -> dict[str, str | None]:
