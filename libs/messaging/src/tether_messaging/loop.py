@@ -531,8 +531,8 @@ class ProcessorLoop:
         self._next: dict[TP, int] = {}
         self._holds: dict[TP, dict[int, int]] = {}
         self._committed: dict[TP, int] = {}
-        #: When offsets were last committed (monotonic): bounds how long passed-over records'
-        #: offsets may wait (`noop_commit_ms`).
+        #: When offsets were last committed (monotonic): bounds how long the offsets of batches
+        #: that changed nothing may wait (`noop_commit_ms`).
         self._last_commit_at = 0.0
         self._skip: dict[TP, tuple[int, frozenset[int]]] = {}
 
