@@ -36,13 +36,22 @@ def make_envelope(
     )
 
 
+#: The record's event type (Avro full name), so a consumer can pass records over without decoding them.
+EVENT_TYPE_HEADER = "tether-event-type"
+
+
+def header_event_type(headers: list[tuple[str, bytes]] | None) -> bytes | None:
+    """The `tether-event-type` header's value, or None for a record written without it."""
+    return next((v for k, v in headers or () if k == EVENT_TYPE_HEADER), None)
+
+
 def headers_for(envelope: Envelope) -> list[tuple[str, bytes]]:
     """Kafka headers that let consumers route and filter without decoding the value."""
     headers = [
         ("tether-tenant", envelope.tenant_id.encode()),
         ("tether-run", envelope.run_id.encode()),
         ("tether-event-id", envelope.event_id.encode()),
-        ("tether-event-type", envelope.event_type.encode()),
+        (EVENT_TYPE_HEADER, envelope.event_type.encode()),
         ("tether-schema-fingerprint", envelope.schema_fingerprint.encode()),
     ]
     if envelope.traceparent:

@@ -59,7 +59,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import Envelope
-from tether_messaging.envelopes import headers_for, make_envelope
+from tether_messaging.envelopes import header_event_type, headers_for, make_envelope
 from tether_messaging.errors import Unprocessable
 from tether_messaging.fairqueue import FairWorkQueue
 from tether_messaging.processor import Inbound, Processor, WorkDone
@@ -155,7 +155,6 @@ _COMMIT_RETRIABLE = frozenset({
 })
 
 #: Written by `headers_for` on every envelope (tether_messaging.envelopes).
-EVENT_TYPE_HEADER = "tether-event-type"
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -1125,7 +1124,7 @@ class ProcessorLoop:
                 return
         wanted = self._wanted.get(m.topic())
         if wanted is not None:
-            event_type = next((v for k, v in m.headers() or () if k == EVENT_TYPE_HEADER), None)
+            event_type = header_event_type(m.headers())
             if event_type is not None and event_type not in wanted:
                 RECORDS.labels(self._name, m.topic(), "passed_over").inc()
                 return

@@ -37,12 +37,12 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import Envelope
+from tether_messaging.envelopes import header_event_type
 from tether_messaging.registry import RegistryCodec, SchemaRegistryUnavailable, envelope_codec
 from tether_messaging.serde import EnvelopeCodec, SerdeError, UnknownFingerprint, open_payload
 
 log = structlog.get_logger("tether_messaging.subscriber")
 
-EVENT_TYPE_HEADER = "tether-event-type"
 TETHER_NAMESPACE = "tether.v1"
 
 
@@ -95,6 +95,7 @@ class Subscriber:
         # Avro full names as the envelope carries them; a bare name means Tether's namespace.
         self._types = None if event_types is None else frozenset(
             t if "." in t else f"{TETHER_NAMESPACE}.{t}" for t in event_types)
+        self._type_headers = None if self._types is None else frozenset(t.encode() for t in self._types)
         self._owned_codec = codec is None
         self._codec = codec or envelope_codec(schema_registry_url)
         self._skip_undecodable = skip_undecodable
@@ -173,9 +174,9 @@ class Subscriber:
             raise KafkaException(m.error())
         topic, partition, offset = m.topic(), m.partition(), m.offset()
         self._positions[(topic, partition)] = offset + 1
-        if self._types is not None:
-            event_type = next((v for k, v in m.headers() or () if k == EVENT_TYPE_HEADER), None)
-            if event_type is not None and event_type.decode(errors="replace") not in self._types:
+        if self._type_headers is not None:
+            event_type = header_event_type(m.headers())
+            if event_type is not None and event_type not in self._type_headers:
                 self.passed_over += 1
                 return None
         try:
