@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -13,7 +14,7 @@ from tether_messaging.envelopes import make_envelope
 from tether_messaging.serde import encode, open_payload
 from tether_projector.domain.errors import UnsealedEvent
 from tether_projector.domain.live import hot_state, stream_fields
-from tether_projector.domain.project import call_index_of, derive_status, is_duplicate, problem_kind, project
+from tether_projector.domain.project import call_index_of, derive_status, event_row, is_duplicate, problem_kind, project
 from tether_projector.domain.rows import Json, Upsert, merge
 from tether_projector.domain.state import CallStatus, RunFold, RunStatus, StepStatus
 from tether_projector.testing import (
@@ -450,3 +451,19 @@ def test_rows_do_not_depend_on_how_the_fold_was_stored() -> None:
     assert a.fold.termination["tool_calls_done"][:3] == ["1.0 search COMPLETED", "1.1 search COMPLETED",
                                                          "1.2 search COMPLETED"]
     assert [w for w in a.writes if w.table != "runs"] == [w for w in b.writes if w.table != "runs"]
+
+
+def test_event_rows_hold_the_payload_as_its_avro_datum_in_json() -> None:
+    # event_row dumps the payload with pydantic's compiled dump, not the Python walk of
+    # `to_avro()`; as JSON (what jsonb stores) the two are the same for every event type here.
+    rng = random.Random(5)
+    logs = [happy_run("a"), troubled_run("b"), cancelled_while_waiting("c"), rejected_run("d")]
+    logs += [random_run(f"r{i}", rng) for i in range(10)]
+    seen = set()
+    for log in logs:
+        for env in log.events:
+            payload = open_payload(env)
+            seen.add(type(payload).__name__)
+            row = event_row(RunFold(run_id=env.run_id, tenant_id=env.tenant_id), env, payload)
+            assert json.dumps(row.values["payload"].value, sort_keys=True) == json.dumps(payload.to_avro(), sort_keys=True)
+    assert len(seen) >= 12

@@ -12,7 +12,8 @@ from tether_messaging.envelopes import make_envelope
 from tether_messaging.errors import Unprocessable
 from tether_messaging.processor import Inbound
 from tether_projector.adapters.memory import InMemoryLiveState, InMemoryReadModel
-from tether_projector.domain.project import problem_kind
+from tether_projector.domain.project import problem_kind, project
+from tether_projector.domain.state import RunFold
 from tether_projector.entrypoint import ProjectorProcessor
 from tether_projector.handlers import Deps, project_batch
 from tether_projector.metrics import ProjectorMetrics
@@ -65,6 +66,36 @@ def test_batch_and_single_event_projection_agree(registry: CollectorRegistry) ->
     assert one.read_model.tables == many.read_model.tables  # type: ignore[attr-defined]
     assert one.live.streams == many.live.streams  # type: ignore[attr-defined]
     assert one.live.hot == many.live.hot  # type: ignore[attr-defined]
+
+
+def test_batches_write_what_the_pure_projection_writes_event_by_event(registry: CollectorRegistry) -> None:
+    # The batch advances each run's fold in place and writes its runs row once; the pure
+    # `project` copies the fold and writes a runs row per event. Interleaved runs, batches that
+    # split runs (folds loaded back from the read model mid-run): the same tables.
+    rng = random.Random(11)
+    runs = [random_run(f"i{i}", rng).log_events() for i in range(8)] + [happy_run("h").log_events()]
+    events = []
+    while any(runs):
+        run = rng.choice([r for r in runs if r])
+        events.append(run.pop(0))
+    batched = Deps(InMemoryReadModel(), None, ProjectorMetrics(registry))
+    start = 0
+    while start < len(events):
+        size = rng.randint(1, 40)
+        project_batch(events[start:start + size], deps=batched)
+        start += size
+
+    reference = InMemoryReadModel()
+    folds: dict[str, RunFold] = {}
+    for ev in events:
+        fold = folds.get(ev.envelope.run_id)
+        projected = project(fold, ev.envelope, ev.payload)
+        with reference.transaction() as tx:
+            tx.write(projected.writes)
+        folds[ev.envelope.run_id] = projected.fold
+        if fold is not None:  # the pure projection left the fold it was given alone
+            assert fold.last_seq == ev.envelope.seq - 1
+    assert batched.read_model.tables == reference.tables  # type: ignore[attr-defined]
 
 
 def test_read_model_failure_commits_and_publishes_nothing(deps: Deps) -> None:

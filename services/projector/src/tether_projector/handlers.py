@@ -10,7 +10,7 @@ import structlog
 
 from tether_projector.domain.errors import UnsealedEvent
 from tether_projector.domain.live import hot_state, stream_fields
-from tether_projector.domain.project import is_duplicate, problem_kind, project
+from tether_projector.domain.project import advance, is_duplicate, problem_kind, run_row
 from tether_projector.domain.rows import Upsert, merge
 from tether_projector.domain.state import RunFold
 from tether_projector.metrics import ProjectorMetrics
@@ -58,7 +58,9 @@ def project_batch(events: Sequence[LogEvent], *, deps: Deps) -> BatchResult:
 
     duplicate_flags: list[bool] = []
     with deps.read_model.transaction() as tx:
+        # Fresh objects this batch owns (also on a retry, which loads them again): advanced in place.
         folds: dict[str, RunFold] = tx.load_runs(sorted({ev.envelope.run_id for ev in sealed}))
+        advanced: dict[str, RunFold] = {}
         writes: list[Upsert] = []
         for ev in sealed:
             run_id = ev.envelope.run_id
@@ -66,11 +68,12 @@ def project_batch(events: Sequence[LogEvent], *, deps: Deps) -> BatchResult:
             if is_duplicate(fold, ev.envelope):
                 duplicate_flags.append(True)
                 continue
-            projected = project(fold, ev.envelope, ev.payload)
-            folds[run_id] = projected.fold
+            projected = advance(fold, ev.envelope, ev.payload)
+            folds[run_id] = advanced[run_id] = projected.fold
             writes.extend(projected.writes)
             result.chain_problems.extend(projected.chain_problems)
             duplicate_flags.append(False)
+        writes.extend(run_row(fold) for fold in advanced.values())
         tx.write(merge(writes))
 
     result.applied = duplicate_flags.count(False)

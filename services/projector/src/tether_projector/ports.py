@@ -26,7 +26,8 @@ class ReadModelTx(Protocol):
 
     def load_runs(self, run_ids: Sequence[str]) -> dict[str, RunFold]:
         """The stored folds of these runs (absent runs are missing from the result), held
-        against concurrent projection of the same runs until the transaction ends."""
+        against concurrent projection of the same runs until the transaction ends. Each is a
+        fresh object the caller owns (the batch advances it in place)."""
         ...
 
     def write(self, writes: Sequence[Upsert]) -> None:
