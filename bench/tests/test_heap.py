@@ -83,7 +83,7 @@ def test_consumer_lag_counts_what_a_group_has_not_committed(kafka_bootstrap, kaf
 
     topic = kafka_topics.create("bench-lag", partitions=2)
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
-    for i in range(5):
+    for _ in range(5):
         producer.produce(topic, b"x", partition=0)
     producer.produce(topic, b"x", partition=1)
     assert producer.flush(30) == 0

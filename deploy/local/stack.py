@@ -202,7 +202,7 @@ class Component(abc.ABC):
         return {label: getattr(self.s, field) for label, (field, _) in self.port_settings.items()}
 
     # -- each server implements these -----------------------------------------------------
-    def check_installed(self) -> None:
+    def check_installed(self) -> None:  # noqa: B027 (optional hook)
         """Raise StackError naming what `make setup` has not installed yet."""
 
     @abc.abstractmethod
@@ -217,7 +217,7 @@ class Component(abc.ABC):
     def answers(self) -> bool:
         """True if the server answers a real request (not just an open port)."""
 
-    def after_ready(self) -> None:
+    def after_ready(self) -> None:  # noqa: B027 (optional hook)
         """One-off work once the server answers (create a database, ...)."""
 
     def describe(self) -> dict[str, str]:
@@ -459,7 +459,7 @@ class Postgres(Component):
         try:
             pw = pwd.getpwnam("postgres")
         except KeyError:
-            raise StackError("postgres: running as root but there is no `postgres` user; run `make setup`")
+            raise StackError("postgres: running as root but there is no `postgres` user; run `make setup`") from None
         return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
 
     def _owner_can_use(self, path: Path) -> bool:

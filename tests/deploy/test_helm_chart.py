@@ -5,12 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-import yaml
-
 import helm_python as helm
 import kubernetes_validate
 import promql_parser
+import pytest
+import yaml
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tether"
 KUBE_VERSION = "1.33.0"

@@ -9,8 +9,7 @@ import time
 import grpc
 import pytest
 
-from tether_api.v1 import approval_service_pb2 as approvals_pb
-from tether_api.v1 import run_service_pb2 as runs_pb
+from tether_api.v1 import approval_service_pb2 as approvals_pb, run_service_pb2 as runs_pb
 from tether_contracts.records import ApprovalDecided, ApprovalOutcome, ToolCallCompleted, ToolCallDenied
 from tether_messaging.serde import open_payload
 from tether_run_api.cli.client import reason

@@ -15,9 +15,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tether_api.v1 import approval_service_pb2 as approvals_pb
-from tether_api.v1 import run_service_pb2 as runs_pb
-from tether_api.v1 import types_pb2 as types_pb
+from tether_api.v1 import approval_service_pb2 as approvals_pb, run_service_pb2 as runs_pb, types_pb2 as types_pb
 from tether_contracts.records import ModelCallCompleted, ModelCallFailed, RunTerminated, ToolCallRequested
 from tether_messaging.chain import verify_chain
 from tether_messaging.serde import open_payload
@@ -136,10 +134,10 @@ def test_a_wrong_api_key_is_unauthenticated_and_a_missing_role_is_permission_den
     run_id = baseline.runs[0]
     for metadata in ((("authorization", "Bearer tk_not-a-key-of-anyone"),), (("x-api-key", "garbage"),),
                      (("authorization", "Basic dXNlcjpwYXNz"),), ()):
-        for call in (lambda: runs_stub.SubmitRun(submit_request(), metadata=metadata, timeout=30),
-                     lambda: runs_stub.GetRun(runs_pb.GetRunRequest(run_id=run_id), metadata=metadata, timeout=30),
-                     lambda: runs_stub.StreamRunEvents(runs_pb.StreamRunEventsRequest(run_id=run_id),
-                                                       metadata=metadata, timeout=30)):
+        for call in (lambda md=metadata: runs_stub.SubmitRun(submit_request(), metadata=md, timeout=30),
+                     lambda md=metadata: runs_stub.GetRun(runs_pb.GetRunRequest(run_id=run_id), metadata=md, timeout=30),
+                     lambda md=metadata: runs_stub.StreamRunEvents(runs_pb.StreamRunEventsRequest(run_id=run_id),
+                                                                   metadata=md, timeout=30)):
             err = refused(call)
             assert err.code() is grpc.StatusCode.UNAUTHENTICATED, (metadata, err)
             assert reason(err) == "UNAUTHENTICATED_API_KEY"

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tether_api.v1 import run_service_pb2 as runs_pb
-from tether_api.v1 import types_pb2 as types_pb
+from tether_api.v1 import run_service_pb2 as runs_pb, types_pb2 as types_pb
 from tether_contracts.records import (
     ModelCallCompleted,
     RunTerminated,

@@ -16,8 +16,7 @@ from urllib.parse import quote
 
 import pytest
 
-from tether_api.v1 import approval_service_pb2 as approvals_pb
-from tether_api.v1 import run_service_pb2 as runs_pb
+from tether_api.v1 import approval_service_pb2 as approvals_pb, run_service_pb2 as runs_pb
 from tether_contracts.records import ApprovalRequested, ToolCallAuthorized, ToolCallCompleted, ToolCallRequested
 from tether_messaging.serde import open_payload
 from tether_run_api.audit import read_run_log, verify_log

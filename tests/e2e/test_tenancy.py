@@ -24,8 +24,7 @@ from pathlib import Path
 import grpc
 import psycopg
 import pytest
-from confluent_kafka import Consumer, KafkaError, TopicPartition
-from confluent_kafka import ConsumerGroupTopicPartitions
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 

@@ -47,8 +47,8 @@ from tether_bench.common import (
     rss_kb,
     stop_cleanly_on_sigterm,
 )
-from tether_bench.hops import Snapshot, hop_means, scrape
 from tether_bench.heap import consumer_lag, heap_growth, marginal_kb_per_run, mb_per_10k, request_snapshots
+from tether_bench.hops import Snapshot, hop_means, scrape
 from tether_bench.load import ApproverBot, ClosedLoop, make_tenants, submit_until_accepted
 from tether_bench.observer import LogObserver, Seen
 from tether_bench.peer_langgraph import run_peer

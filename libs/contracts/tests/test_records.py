@@ -6,7 +6,6 @@ import io
 import json
 import random
 import shutil
-
 from enum import Enum
 
 import fastavro

@@ -54,7 +54,7 @@ class ParkedRun(BaseModel):
 def make_run(i: int) -> ParkedRun:
     calls = {
         f"{s}.0": Call(call_id=f"{s}.0", idem_key=f"{i:08x}{s:056x}", tool_name="send_email",
-                       args_json='{"to": "someone@example.com", "subject": "report %d"}' % s,
+                       args_json=f'{{"to": "someone@example.com", "subject": "report {s}"}}',
                        status="COMPLETED" if s < 8 else "APPROVAL_PENDING", observation="ok " * 20)
         for s in range(1, 9)
     }

@@ -12,7 +12,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from tether_contracts.records import Remaining, StepGranted
 from tether_messaging import loop as loop_mod
 from tether_messaging.admin import declare_topics
-from tether_messaging.envelopes import headers_for, make_envelope
+from tether_messaging.envelopes import make_envelope
 from tether_messaging.errors import Unprocessable
 from tether_messaging.loop import LoopConfig, ProcessorLoop
 from tether_messaging.processor import Context, Inbound, TickContext, WorkDone

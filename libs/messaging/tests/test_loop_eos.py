@@ -98,7 +98,7 @@ def _produce_inputs(bootstrap: str, topic: str) -> dict[str, list[str]]:
     producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 20})
     expected: dict[str, list[str]] = {}
     runs = [(f"tenant-{r % 5}", f"run-{r:03d}") for r in range(RUNS)]
-    for tenant, run in runs:
+    for _tenant, run in runs:
         expected[run] = []
     for n in range(1, INPUTS_PER_RUN + 1):
         for tenant, run in runs:

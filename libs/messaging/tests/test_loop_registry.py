@@ -14,7 +14,7 @@ from tether_messaging.envelopes import make_envelope
 from tether_messaging.loop import LoopConfig, ProcessorLoop
 from tether_messaging.processor import Context, Inbound, TickContext, WorkDone
 from tether_messaging.registry import RegistryCodec, SchemaRegistryClient, value_subject
-from tether_messaging.serde import SingleObjectCodec, decode_envelope, open_payload
+from tether_messaging.serde import SingleObjectCodec, UnknownSchemaId, decode_envelope, open_payload
 from tether_messaging.topics import Topics
 
 REMAINING = Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)
@@ -85,7 +85,7 @@ def test_loop_uses_the_registry_wire_format_when_configured(kafka_bootstrap, top
     registered = state.subjects[value_subject(topics.run_events)]
     for value in raw:
         assert value[0] == 0 and int.from_bytes(value[1:5], "big") in registered  # Confluent framing
-        with pytest.raises(Exception):
-            decode_envelope(value)  # not single-object encoded
+        with pytest.raises(UnknownSchemaId):
+            decode_envelope(value)  # Confluent framing, and no registry to read it with
     steps = sorted(open_payload(registry_codec.decode_value(v)).step for v in raw)
     assert steps == [101, 102]

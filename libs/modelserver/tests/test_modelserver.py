@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-from tether_security import wrap_untrusted
 
 from tether_modelserver import (
     ModelServer,
@@ -25,6 +24,7 @@ from tether_modelserver import (
     parse_scenario,
     read_request_log,
 )
+from tether_security import wrap_untrusted
 
 HERE = Path(__file__).parent
 SCENARIOS = [HERE / "scenarios", bundled_scenarios_dir()]

@@ -316,7 +316,7 @@ def test_parent_dying_during_sandbox_setup_leaves_nothing() -> None:
         marker = f"{uuid.uuid4().int % 10**6}.5678"
         parent = _start_parent_with_sandbox(marker)
         end = time.monotonic() + 20
-        while not processes_with(f"bwrap\0") or not processes_with(marker):
+        while not processes_with("bwrap\0") or not processes_with(marker):
             if time.monotonic() > end or parent.poll() is not None:
                 break
             time.sleep(0.001)

@@ -9,6 +9,7 @@ from tether_contracts.records import (
     ApprovalDecided,
     ApprovalOutcome,
     ApprovalRequested,
+    Remaining,
     RiskClass,
     RunCompleted,
     RunTerminated,
@@ -16,7 +17,6 @@ from tether_contracts.records import (
     TerminationReport,
     ToolCallCompleted,
     ToolCallOutcomeUnknown,
-    Remaining,
     Usage,
 )
 from tether_messaging.topics import RUN_INTAKE

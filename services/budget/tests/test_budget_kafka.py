@@ -12,6 +12,7 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from tether_budget.domain.decisions import idem_key
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
     AgentSpec,
@@ -28,7 +29,6 @@ from tether_contracts.records import (
     ToolSpec,
     Usage,
 )
-from tether_budget.domain.decisions import idem_key
 from tether_messaging.admin import declare_topics
 from tether_messaging.chain import verify_chain
 from tether_messaging.envelopes import derived_id, headers_for, make_envelope

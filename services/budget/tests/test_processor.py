@@ -10,27 +10,28 @@ from tether_contracts.records import (
     ApprovalDecided,
     ApprovalOutcome,
     ApprovalRequested,
+    CancelRun,
     DecideApproval,
     ModelRef,
+    RiskClass,
     RunAccepted,
     RunCompleted,
     RunRejected,
     RunTerminated,
-    RiskClass,
     StepGranted,
     SubmitRun,
+    ToolCall,
     ToolCallAuthorized,
     ToolCallBudgeted,
     ToolCallCompleted,
     ToolCallDeferred,
     ToolCallOutcomeUnknown,
     ToolCallRequested,
+    Usage,
 )
 from tether_messaging.envelopes import derived_id
 from tether_messaging.errors import Unprocessable
 from tether_messaging.topics import COMMANDS, RUN_INTAKE
-
-from tether_contracts.records import CancelRun, ToolCall, Usage
 
 
 def _types(records) -> list[str]:

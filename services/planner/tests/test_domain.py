@@ -47,7 +47,7 @@ def test_protocol_ids() -> None:
     assert canonical_json({"b": 1, "a": "é", "c": [1, {"z": 0, "y": None}]}) == '{"a":"é","b":1,"c":[1,{"y":null,"z":0}]}'
     assert args_hash('{"a":1}') == hashlib.sha256(b'{"a":1}').hexdigest()
     assert call_id(3, 1) == "3.1"
-    assert idem_key("r", 3, 1) == hashlib.sha256("r\x1f3\x1f1".encode()).hexdigest()
+    assert idem_key("r", 3, 1) == hashlib.sha256(b"r\x1f3\x1f1").hexdigest()
 
 
 # -- validation -------------------------------------------------------------------------------

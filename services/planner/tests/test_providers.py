@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import json
 import socket
-from email.utils import format_datetime
 from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 
 import httpx
 import pytest
 
 from tether_planner.domain.messages import ChatMessage, ToolCallRef, ToolView
-from tether_planner.providers.anthropic import AnthropicProvider
-from tether_planner.providers.anthropic import to_wire_messages as anthropic_messages
+from tether_planner.providers.anthropic import AnthropicProvider, to_wire_messages as anthropic_messages
 from tether_planner.providers.http import HttpSettings, RetryPolicy, is_context_overflow, iter_sse, parse_retry_after
-from tether_planner.providers.openai import OpenAIChatProvider
-from tether_planner.providers.openai import to_wire_messages as openai_messages
+from tether_planner.providers.openai import OpenAIChatProvider, to_wire_messages as openai_messages
 from tether_planner.providers.port import ContextOverflow, ModelRequest, ProviderError, ProviderTimeout
 
 TOOL = ToolView(name="http_get", description="GET a URL", args_schema_json='{"type":"object"}')

@@ -18,8 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 import redis
-from confluent_kafka import Consumer, Producer, TopicPartition
-from confluent_kafka import ConsumerGroupTopicPartitions
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from prometheus_client import CollectorRegistry
 

@@ -33,9 +33,9 @@ from tether_messaging.serde import decode_envelope, encode, fingerprint_hex, ope
 from tether_run_api import admin
 from tether_run_api.adapters.live import stream_key
 from tether_run_api.api.status import error_info
+from tether_run_api.domain.auth import ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER, hash_api_key
 from tether_run_api.domain.runs import new_run_id
 from tether_run_api.domain.views import Submission
-from tether_run_api.domain.auth import ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER, hash_api_key
 from tether_testing.processes import free_port
 
 pytestmark = pytest.mark.integration

@@ -32,11 +32,11 @@ from tether_tool_gateway.domain.canonical import canonical_json, idem_key_for, s
 from tether_tool_gateway.domain.policy import Policy, TrustPolicy
 from tether_tool_gateway.domain.policy_document import parse_policy
 from tether_tool_gateway.domain.results import ResultLimits
+from tether_tool_gateway.entrypoint import GatewayProcessor
 from tether_tool_gateway.execution import ToolRunner
 from tether_tool_gateway.handlers import Deps
 from tether_tool_gateway.ledger import Owner
 from tether_tool_gateway.ports import ExecutionRequest, Executor, SecretProvider
-from tether_tool_gateway.entrypoint import GatewayProcessor
 from tether_tool_gateway.testing import InMemoryLedger, InMemoryRateLimiter
 
 TOPICS = Topics()

@@ -35,7 +35,7 @@ class KvState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def from_records(cls, records: list[dict[str, Any]]) -> "KvState":
+    def from_records(cls, records: list[dict[str, Any]]) -> KvState:
         state = cls()
         for r in records:
             if r.get("op") != "put" or not r.get("applied"):

@@ -46,7 +46,7 @@ class DevServiceProcess:
         if self.process.stdout is not None:
             self.process.stdout.close()
 
-    def __enter__(self) -> "DevServiceProcess":
+    def __enter__(self) -> DevServiceProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -27,7 +27,7 @@ class RunningService:
     def stop(self) -> None:
         self._stop()
 
-    def __enter__(self) -> "RunningService":
+    def __enter__(self) -> RunningService:
         return self
 
     def __exit__(self, *exc: object) -> None:

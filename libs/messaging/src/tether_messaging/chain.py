@@ -119,7 +119,7 @@ def verify_chain(envelopes: Iterable[Envelope], *, from_genesis: bool = True) ->
         run, seq = env.run_id, env.seq
 
         def report(kind: ProblemKind, detail: str) -> None:
-            problems.append(ChainProblem(kind, run, seq, env.event_id, detail))
+            problems.append(ChainProblem(kind, run, seq, env.event_id, detail))  # noqa: B023 (called in this iteration only)
 
         if env.seq is None or env.prev_hash is None or env.hash is None:
             report(ProblemKind.UNSEALED, "seq, prev_hash or hash is missing")

@@ -54,7 +54,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import structlog
-from confluent_kafka import TIMESTAMP_CREATE_TIME, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import (
+    TIMESTAMP_CREATE_TIME,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
 from prometheus_client import Counter, Gauge, Histogram
 
 from tether_contracts.base import AvroRecord

@@ -131,7 +131,7 @@ class Processor(Protocol):
         """Handle the outcome of work started with `Context.start_work`."""
         ...
 
-    def on_tick(self, ctx: "TickContext") -> None:
+    def on_tick(self, ctx: TickContext) -> None:
         """Called periodically (about once a second) for timers such as approval expiry."""
         ...
 

@@ -9,10 +9,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tether_security import open_envelope
-
 from tether_modelserver.conversation import Conversation
 from tether_modelserver.scenarios import Scenario, ScenarioSet, ScriptedTurn
+from tether_security import open_envelope
 
 _TEMPLATE = re.compile(r"\{\{\s*([a-zA-Z_][a-zA-Z0-9_]*)((?:\.[a-zA-Z0-9_]+)*)\s*\}\}")
 _URL = re.compile(r"https?://[^\s<>\"'`]+")

@@ -51,7 +51,7 @@ class ScriptedToolCall(_Strict):
     id: str | None = None
 
     @model_validator(mode="after")
-    def _one_kind_of_arguments(self) -> "ScriptedToolCall":
+    def _one_kind_of_arguments(self) -> ScriptedToolCall:
         if self.arguments is not None and self.arguments_raw is not None:
             raise ValueError("give either 'arguments' or 'arguments_raw', not both")
         return self
@@ -69,7 +69,7 @@ class ScriptedTurn(_Strict):
     errors: list[ScriptedError] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _says_something(self) -> "ScriptedTurn":
+    def _says_something(self) -> ScriptedTurn:
         if self.text is None and not self.tool_calls:
             raise ValueError("a turn needs 'text' or 'tool_calls'")
         return self
@@ -88,7 +88,7 @@ class ScenarioMatch(_Strict):
     default: bool = False
 
     @model_validator(mode="after")
-    def _has_a_rule(self) -> "ScenarioMatch":
+    def _has_a_rule(self) -> ScenarioMatch:
         if not self.default and self.goal_contains is None and self.goal_regex is None:
             raise ValueError("match needs 'goal_contains', 'goal_regex' or 'default': true")
         if self.default and (self.goal_contains is not None or self.goal_regex is not None):

@@ -65,7 +65,7 @@ def read_request_log(path: Path) -> list[dict[str, Any]]:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: "_Server"
+    server: _Server
     server_version = "tether-modelserver/0.1"
     # Keep-alive, as real providers do: clients (the planner's pooled httpx client) reuse their
     # connections. Under HTTP/1.0 every model call opened a new TCP connection, a cost of the
@@ -214,7 +214,7 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], owner: "ModelServer") -> None:
+    def __init__(self, address: tuple[str, int], owner: ModelServer) -> None:
         self.owner = owner
         super().__init__(address, _Handler)
 
@@ -238,7 +238,7 @@ class ModelServer:
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "ModelServer":
+    def start(self) -> ModelServer:
         """Bind and serve on a background thread."""
         self._server = _Server(self._address, self)
         self._thread = threading.Thread(
@@ -256,7 +256,7 @@ class ModelServer:
         self._server = None
         self._thread = None
 
-    def __enter__(self) -> "ModelServer":
+    def __enter__(self) -> ModelServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

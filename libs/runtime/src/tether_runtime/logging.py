@@ -8,7 +8,7 @@ from typing import Any
 
 import structlog
 
-from tether_security import Redactor, RedactingProcessor
+from tether_security import RedactingProcessor, Redactor
 
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR}
 

@@ -57,10 +57,8 @@ def make_handler(state: RegistryState) -> type[BaseHTTPRequestHandler]:
                 return self._send(404, {"error_code": 404, "message": "not found"})
             schema_text = body["schema"]
             json.loads(schema_text)  # a real registry rejects invalid JSON with 422
-            for schema_id, text in state.schemas.items():
-                if text == schema_text:
-                    break
-            else:
+            schema_id = next((sid for sid, text in state.schemas.items() if text == schema_text), None)
+            if schema_id is None:
                 schema_id = FIRST_ID + len(state.schemas)
                 state.schemas[schema_id] = schema_text
             versions = state.subjects.setdefault(parts[1], [])

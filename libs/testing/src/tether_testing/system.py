@@ -469,7 +469,7 @@ class TetherSystem:
                 time.sleep(0.05)
             self._write_state()
             failures = []
-            for name, future in futures.items():
+            for future in futures.values():
                 try:
                     future.result()
                 except ServiceFailed as err:
@@ -481,7 +481,7 @@ class TetherSystem:
     @staticmethod
     def _spawned(proc: ServiceProcess) -> bool:
         try:
-            proc.pid
+            _ = proc.pid  # raises ServiceFailed when the spawn failed
         except ServiceFailed:
             return False
         return True

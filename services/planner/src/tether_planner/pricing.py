@@ -82,7 +82,7 @@ class PricingTable:
         micros = math.ceil(input_tokens * used.input_usd_per_mtok + output_tokens * used.output_usd_per_mtok - 1e-9)
         return Cost(max(0, micros), price is not None, self.version)
 
-    def with_file(self, path: Path) -> "PricingTable":
+    def with_file(self, path: Path) -> PricingTable:
         """Prices from a JSON file `{"version": "...", "models": {"name": [in, out]}}` added over these."""
         try:
             data = json.loads(path.read_text(encoding="utf-8"))

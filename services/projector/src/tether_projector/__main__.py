@@ -51,8 +51,7 @@ def run(settings: ProjectorSettings) -> int:
 def rebuild(settings: ProjectorSettings, schema: str | None, with_redis: bool, batch: int | None) -> int:
     """Replay the log from offset 0 into a fresh read model; prints the report as JSON."""
     from tether_projector.ports import ReadModelUnavailable
-    from tether_projector.rebuild import SCHEMA_NAME, RebuildFailed
-    from tether_projector.rebuild import rebuild as replay
+    from tether_projector.rebuild import SCHEMA_NAME, RebuildFailed, rebuild as replay
     from tether_runtime import logging as runtime_logging
 
     target = schema or settings.read_model_schema

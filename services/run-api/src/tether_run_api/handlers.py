@@ -33,9 +33,9 @@ from tether_run_api.domain.catalog import (
 from tether_run_api.domain.errors import (
     AgentNotFound,
     AgentVersionConflict,
+    ApprovalExpired,
     ApprovalNotFound,
     ApprovalNotPending,
-    ApprovalExpired,
     FieldViolation,
     InvalidArgument,
     RequestIdReused,

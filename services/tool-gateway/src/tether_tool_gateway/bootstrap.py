@@ -19,10 +19,10 @@ from tether_security import (
     Redactor,
     SandboxRunner,
     SandboxUnavailable,
+    SecretProvider as SecretSource,
     SecretRegistry,
     StaticSecretProvider,
 )
-from tether_security import SecretProvider as SecretSource
 from tether_tool_gateway.domain.policy import TrustPolicy
 from tether_tool_gateway.domain.policy_document import LoadedPolicy, default_policy, parse_policy
 from tether_tool_gateway.domain.results import ResultLimits

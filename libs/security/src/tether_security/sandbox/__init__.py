@@ -2,13 +2,13 @@
 
 from tether_security.sandbox.process import SandboxedProcess, SandboxExit
 from tether_security.sandbox.runner import (
+    InvalidSandboxRequest,
     SandboxErrorCode,
     SandboxLimits,
     SandboxResult,
     SandboxRunner,
     SandboxSetupError,
     SandboxUnavailable,
-    InvalidSandboxRequest,
 )
 
 __all__ = [

@@ -73,7 +73,7 @@ class UsageTotals(_Frozen):
     output_tokens: int = 0
     cost_usd_micros: int = 0
 
-    def __add__(self, other: "UsageTotals") -> "UsageTotals":
+    def __add__(self, other: UsageTotals) -> UsageTotals:
         return UsageTotals(
             input_tokens=self.input_tokens + other.input_tokens,
             output_tokens=self.output_tokens + other.output_tokens,

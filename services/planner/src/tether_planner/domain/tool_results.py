@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tether_security import open_envelope, wrap_untrusted
-
 from tether_planner.domain.canonical import canonical_json
+from tether_security import open_envelope, wrap_untrusted
 
 
 def wrap_tool_result(

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Any
 
 import structlog

@@ -17,14 +17,16 @@ import typer
 from google.protobuf import field_mask_pb2
 from google.protobuf.json_format import ParseDict, ParseError
 
-from tether_api.v1 import agent_service_pb2 as agents_pb
-from tether_api.v1 import approval_service_pb2 as approvals_pb
-from tether_api.v1 import run_service_pb2 as runs_pb
-from tether_api.v1 import tool_service_pb2 as tools_pb
-from tether_api.v1 import types_pb2 as types_pb
+from tether_api.v1 import (
+    agent_service_pb2 as agents_pb,
+    approval_service_pb2 as approvals_pb,
+    run_service_pb2 as runs_pb,
+    tool_service_pb2 as tools_pb,
+    types_pb2 as types_pb,
+)
 from tether_run_api.cli import render
 from tether_run_api.cli.audit import audit_app
-from tether_run_api.cli.client import CliError, CliSettings, Client, connect, describe, reason
+from tether_run_api.cli.client import Client, CliError, CliSettings, connect, describe, reason
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 approvals_app = typer.Typer(help="List, review and decide approvals.", no_args_is_help=True)
@@ -512,7 +514,7 @@ def admin_tenant_limits(
 def admin_create_key(
     tenant_id: str,
     principal_id: str,
-    role: Annotated[list[str], typer.Option(help="member, admin, approver (repeat)")] = ["member"],  # noqa: B006
+    role: Annotated[list[str], typer.Option(help="member, admin, approver (repeat)")] = ["member"],
     label: Annotated[str, typer.Option(help="note stored with the key")] = "",
 ) -> None:
     """Issue an API key for a principal of a tenant (printed once)."""
@@ -548,7 +550,7 @@ def admin_bootstrap_demo(
     smtp_host: Annotated[str, typer.Option(help="SMTP host for send_email")] = "127.0.0.1",
     smtp_port: Annotated[int, typer.Option(help="SMTP port for send_email")] = 2525,
     email_from: Annotated[str, typer.Option(help="sender of send_email")] = "tether-demo@localhost",
-    http_allow_host: Annotated[list[str], typer.Option(help="hosts http_get may reach (repeat)")] = [  # noqa: B006
+    http_allow_host: Annotated[list[str], typer.Option(help="hosts http_get may reach (repeat)")] = [
         "example.com", "127.0.0.1", "localhost"],
     env_file: Annotated[Path | None, typer.Option(help="also write the keys (KEY=value lines) to this file")] = None,
 ) -> None:

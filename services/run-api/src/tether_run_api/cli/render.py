@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from rich.console import Console
 from rich.table import Table
 
-from tether_api.v1 import approval_service_pb2 as approvals_pb
-from tether_api.v1 import run_service_pb2 as runs_pb
-from tether_api.v1 import types_pb2 as types_pb
+from tether_api.v1 import approval_service_pb2 as approvals_pb, run_service_pb2 as runs_pb, types_pb2 as types_pb
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -52,7 +50,7 @@ def risk(value: int) -> str:
 def when(ts) -> str:
     if not ts.seconds and not ts.nanos:
         return "-"
-    return datetime.fromtimestamp(ts.ToMilliseconds() / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.fromtimestamp(ts.ToMilliseconds() / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def usd(micros: int) -> str:

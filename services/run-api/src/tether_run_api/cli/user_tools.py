@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from tether_api.v1 import tool_service_pb2 as tools_pb
-from tether_api.v1 import types_pb2 as types_pb
+from tether_api.v1 import tool_service_pb2 as tools_pb, types_pb2 as types_pb
 from tether_contracts.records import RiskClass
 from tether_run_api.cli.client import CliError
 
@@ -73,20 +72,20 @@ def import_mcp(
              "command that starts it, after -- (e.g. -- /opt/mcp/crm/bin/python -m crm_mcp)")],
     stdio: Annotated[bool, typer.Option(help="the server speaks MCP over stdio: the gateway runs the command in "
                                              "its sandbox for each call")] = False,
-    bind: Annotated[list[str], typer.Option(  # noqa: B006 (typer reads the default, never mutates it)
+    bind: Annotated[list[str], typer.Option(
         help="--stdio: a host path bound read-only into the sandbox (the server's code and runtime)")] = [],
-    env: Annotated[list[str], typer.Option(  # noqa: B006
+    env: Annotated[list[str], typer.Option(
         help="--stdio: NAME=VALUE in the server's environment; put secrets as secret://name")] = [],
     prefix: Annotated[str, typer.Option(help="prefix of the Tether tool names (e.g. crm_)")] = "",
     risk_class: Annotated[str, typer.Option(help="read_only | write | irreversible")] = "irreversible",
     idempotent: Annotated[bool, typer.Option(help="re-running a call is safe")] = False,
     untrusted: Annotated[bool, typer.Option(help="the tools' output is untrusted content")] = True,
     egress: Annotated[bool, typer.Option(help="the tools can move data out or contact people")] = True,
-    header: Annotated[list[str], typer.Option(  # noqa: B006
+    header: Annotated[list[str], typer.Option(
         help="NAME=VALUE sent on each call; put secrets as secret://name")] = [],
-    allow_host: Annotated[list[str], typer.Option(  # noqa: B006
+    allow_host: Annotated[list[str], typer.Option(
         help="egress allowlist (default: the URL's host)")] = [],
-    only: Annotated[list[str], typer.Option(help="import only these server tool names")] = [],  # noqa: B006
+    only: Annotated[list[str], typer.Option(help="import only these server tool names")] = [],
     timeout_ms: Annotated[int, typer.Option(help="per-call timeout")] = 30_000,
     list_timeout_s: Annotated[float, typer.Option(
         help="how long listing may take (a stdio server starts first)")] = 60.0,

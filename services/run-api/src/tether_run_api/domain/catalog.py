@@ -10,11 +10,12 @@ from jsonschema import Draft202012Validator, SchemaError
 from jsonschema.validators import validator_for
 
 from tether_contracts.records import AgentSpec, Caps, ModelRef, RiskClass, ToolSpec
+from tether_run_api.domain.errors import FieldViolation, InvalidArgument
+
 # The gateway enforces the constraints; parsing them with its own (pure) parser here means a
 # tool is refused at registration rather than failing closed on every call later.
 from tether_tool_gateway.domain.constraints import ConstraintsInvalid, parse_constraints
 from tether_tool_gateway.domain.executor_config import executor_config_problems
-from tether_run_api.domain.errors import FieldViolation, InvalidArgument
 
 AGENT_ID = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 # Tool names are function names the model emits, so they follow the providers' common subset.

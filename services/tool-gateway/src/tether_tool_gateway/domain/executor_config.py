@@ -117,7 +117,7 @@ def _stdio_problems(config: dict[str, Any]) -> list[str]:
     if not isinstance(limits, dict):
         problems.append("'limits' must be an object")
     else:
-        for name, value in limits.items():
+        for name in limits:
             cap = STDIO_LIMIT_CAPS.get(name)
             if cap is None:
                 problems.append(f"'limits' may set {sorted(STDIO_LIMIT_CAPS)}, not {name!r}")

@@ -7,7 +7,6 @@ import functools
 import json
 import re
 import smtplib
-import socket
 import ssl
 import threading
 from collections.abc import Callable
@@ -18,9 +17,9 @@ from urllib.parse import quote
 
 import httpx
 
+from tether_security import SecretNotFound
 from tether_tool_gateway.builtin_tools import HTTP_GET, KV_GET, KV_PUT, SEND_EMAIL
 from tether_tool_gateway.domain.errors import EgressDenied, InvalidToolResult, ToolError
-from tether_security import SecretNotFound
 from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
 
 MAX_REDIRECTS = 5
@@ -245,7 +244,7 @@ def send_email(request: ExecutionRequest, config: dict[str, Any], secrets: Secre
         with smtplib.SMTP(_require(config, "smtp_host"), int(_require(config, "smtp_port")),
                           timeout=request.timeout_s) as smtp:
             refused = smtp.send_message(msg)
-    except (socket.timeout, TimeoutError) as exc:
+    except TimeoutError as exc:
         raise ToolError("TIMEOUT", f"SMTP timed out: {exc}") from exc
     except (smtplib.SMTPException, OSError) as exc:
         raise ToolError("TOOL_ERROR", f"SMTP failed: {type(exc).__name__}: {exc}") from exc
