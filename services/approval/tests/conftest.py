@@ -48,9 +48,9 @@ ARGS_JSON = canonical(ARGS)
 ARGS_HASH = sha(ARGS_JSON)
 
 
-def tool(name: str = "send_email", risk: RiskClass = RiskClass.IRREVERSIBLE) -> ToolSpec:
+def tool(name: str = "send_email", risk: RiskClass = RiskClass.IRREVERSIBLE, *, idempotent: bool = False) -> ToolSpec:
     return ToolSpec(name=name, version=1, description=name, args_schema_json="{}", risk_class=risk,
-                    idempotent=False, untrusted_source=False, executor_kind="builtin", egress=True)
+                    idempotent=idempotent, untrusted_source=False, executor_kind="builtin", egress=True)
 
 
 @dataclass
@@ -74,6 +74,7 @@ class Harness:
     ARGS = ARGS
     ARGS_JSON = ARGS_JSON
     ARGS_HASH = ARGS_HASH
+    tool = staticmethod(tool)
 
     def __init__(self, policy: ApprovalPolicy | None = None, notifier: FakeNotifier | None = None) -> None:
         self.registry = CollectorRegistry()
@@ -104,10 +105,11 @@ class Harness:
             deadline_ms=T0 + 600_000,
         ), run_id, tenant=tenant, what="accepted")
 
-    def requested_call(self, run_id: str = "r1", *, call_id: str = "1.0", tenant: str = "t1") -> list[Emitted]:
+    def requested_call(self, run_id: str = "r1", *, call_id: str = "1.0", tenant: str = "t1",
+                       tool_name: str = "send_email") -> list[Emitted]:
         step, index = (int(x) for x in call_id.split("."))
         call = ToolCall(call_id=call_id, call_index=index, idem_key=sha(f"{run_id}\x1f{step}\x1f{index}"),
-                        tool_name="send_email", args_json=ARGS_JSON, args_hash=ARGS_HASH)
+                        tool_name=tool_name, args_json=ARGS_JSON, args_hash=ARGS_HASH)
         return self.event(ToolCallRequested(step=step, call=call, provenance_json='{"to":"goal"}'), run_id,
                           tenant=tenant, what=("requested", call_id))
 

@@ -317,6 +317,31 @@ def test_recovered_result_withdraws_the_unknown_outcome_approval(h):
     assert h.driver.tick() == []  # a withdrawn approval never expires into the log
 
 
+def test_calls_of_idempotent_tools_are_not_remembered_and_cost_no_checkpoint(h):
+    # The gateway re-runs an interrupted call of an idempotent tool, so its outcome is never
+    # unknown: nothing to remember, no state to checkpoint for its request or its outcome.
+    h.accepted("r2", tools=[h.tool("kv_get", RiskClass.READ_ONLY, idempotent=True), h.tool()])
+    assert h.state("r2").unknown_outcome_tools == ["send_email"]
+    puts = len(h.driver.puts)
+    h.requested_call("r2", call_id="1.0", tool_name="kv_get")
+    h.event(ToolCallCompleted(step=1, call_id="1.0", idem_key="k", tool_name="kv_get", result_json="{}",
+                              duration_ms=1), "r2", what="completed-1.0")
+    assert len(h.driver.puts) == puts and h.state("r2").open_calls == {}
+    h.requested_call("r2", call_id="1.1")  # send_email is not idempotent: remembered
+    assert list(h.state("r2").open_calls) == ["1.1"] and len(h.driver.puts) == puts + 1
+    h.event(ToolCallCompleted(step=1, call_id="1.1", idem_key="k2", tool_name="send_email", result_json="{}",
+                              duration_ms=1), "r2", what="completed-1.1")
+    assert h.state("r2").open_calls == {} and len(h.driver.puts) == puts + 2
+
+
+def test_state_without_the_tools_list_remembers_every_call(h):
+    # A checkpoint of an older version (or a state begun before RunAccepted was read) does not
+    # say which tools are idempotent: every call is remembered, as before.
+    h.driver.states["r1"].unknown_outcome_tools = None
+    h.requested_call(call_id="1.0", tool_name="kv_get")
+    assert list(h.state().open_calls) == ["1.0"]
+
+
 def test_unknown_outcome_of_a_call_never_seen_asks_nothing(h):
     assert h.event(ToolCallOutcomeUnknown(step=1, call_id="1.0", idem_key="x", tool_name="send_email",
                                           detail="?"), what="unknown") == []

@@ -14,6 +14,7 @@ import structlog
 from tether_approval.domain.decisions import (
     ApprovalPolicy,
     call_finished,
+    concerns_call,
     drop_stale_early,
     expire_due,
     park_early,
@@ -162,26 +163,30 @@ def on_run_accepted(event: RunAccepted, msg: Inbound, ctx: Context, *, deps: Dep
     run.tenant_id = msg.envelope.tenant_id
     run.submitter_id = event.principal_id
     run.tool_risk = {tool.name: tool.risk_class for tool in event.tools}
+    run.unknown_outcome_tools = sorted(tool.name for tool in event.tools if not tool.idempotent)
     ctx.put_state(run.run_id, run)
 
 
 def on_tool_call_requested(event: ToolCallRequested, msg: Inbound, ctx: Context, *, deps: Deps) -> None:
-    """Remember the call's arguments until its outcome is known (an unknown outcome needs them)."""
+    """Remember the call's arguments until its outcome is known (an unknown outcome needs them).
+
+    Only calls of non-idempotent tools: most calls change nothing here, so most steps cost this
+    service no checkpoint and (with nothing else in the batch) no Kafka transaction."""
     run = _load_or_new(ctx, msg.envelope.run_id, msg.envelope.tenant_id)
     call = event.call
-    track_call(run, OpenCall(
+    if track_call(run, OpenCall(
         step=event.step, call_id=call.call_id, idem_key=call.idem_key, tool_name=call.tool_name,
         args_json=call.args_json, args_hash=call.args_hash, provenance_json=event.provenance_json,
-    ))
-    ctx.put_state(run.run_id, run)
+    )):
+        ctx.put_state(run.run_id, run)
 
 
 def on_call_finished(event: AvroRecord, msg: Inbound, ctx: Context, *, deps: Deps) -> None:
     """A terminal outcome (Completed, Failed, Denied): forget the call and any approval it no longer needs."""
     run = _load(ctx, msg.envelope.run_id)
-    if run is None:
-        return
     call_id = event.call_id  # type: ignore[attr-defined]
+    if run is None or not concerns_call(run, call_id):
+        return  # nothing to forget: no checkpoint
     moot = call_finished(run, call_id, msg.envelope.event_type)
     for approval in moot:
         log.info("approval_moot", run_id=run.run_id, approval_id=approval.approval_id, call_id=call_id,

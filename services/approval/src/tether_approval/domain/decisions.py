@@ -274,9 +274,20 @@ def request_for_unknown_outcome(
     )
 
 
-def track_call(run: RunApprovals, call: OpenCall) -> None:
-    """Remember a requested call until its outcome is known."""
-    run.open_calls.setdefault(call.call_id, call)
+def track_call(run: RunApprovals, call: OpenCall) -> bool:
+    """Remember a requested call until its outcome is known, if its outcome can be unknown;
+    False when there is nothing to remember (an idempotent tool's call, or already remembered)."""
+    if run.unknown_outcome_tools is not None and call.tool_name not in run.unknown_outcome_tools:
+        return False  # the gateway re-runs an interrupted call of an idempotent tool: never unknown
+    if call.call_id in run.open_calls:
+        return False
+    run.open_calls[call.call_id] = call
+    return True
+
+
+def concerns_call(run: RunApprovals, call_id: str) -> bool:
+    """True if the run's state holds anything about the call: its arguments or a pending approval."""
+    return call_id in run.open_calls or any(a.call_id == call_id for a in run.pending())
 
 
 def call_finished(run: RunApprovals, call_id: str, outcome_type: str) -> list[Approval]:

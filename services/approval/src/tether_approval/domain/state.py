@@ -80,6 +80,12 @@ class RunApprovals(BaseModel):
     #: Principal who submitted the run (RunAccepted), for the self-approval rule.
     submitter_id: str | None = None
     tool_risk: dict[str, RiskClass] = Field(default_factory=dict)
+    #: The run's tools whose calls can end OUTCOME_UNKNOWN: the non-idempotent ones (the gateway
+    #: re-runs an interrupted call of an idempotent tool instead). From RunAccepted; None while
+    #: unknown (state begun by an early decision, or checkpointed by an older version): then every
+    #: requested call is remembered.
+    unknown_outcome_tools: list[str] | None = None
+    #: Requested calls whose outcome may still turn out unknown, with the arguments a human then sees.
     open_calls: dict[str, OpenCall] = Field(default_factory=dict)
     approvals: dict[str, Approval] = Field(default_factory=dict)
     early: dict[str, EarlyDecision] = Field(default_factory=dict)
