@@ -252,7 +252,23 @@ class Bench:
                    f"--duration {int(seconds)} --rate 50 --format raw --nonblocking --gil --output {out}")
             procs.append(subprocess.Popen(["bash", "-c", cmd], stdout=subprocess.DEVNULL,
                                           stderr=open(self.workdir / f"profile-{name}.log", "w")))
+        procs += self._start_broker_recording(warmup, seconds)
         return procs
+
+    def _start_broker_recording(self, warmup: float, seconds: float) -> list[subprocess.Popen]:
+        """A Java Flight Recording of the broker over the same window (`profile-kafka.jfr`; summarise it
+        with `python -m tether_bench.profile`): the broker is the largest single part of a step's CPU."""
+        broker = StackControl(self.stack.state_dir, sys.executable).pid("kafka")
+        jcmd = shutil.which("jcmd")
+        if broker is None or jcmd is None:
+            log.warning("no broker profile: %s", "jcmd (part of the JDK) is not on PATH" if broker else
+                        "the broker was not started by this state dir")
+            return []
+        out = self.workdir / "profile-kafka.jfr"
+        cmd = (f"sleep {warmup:.0f}; exec {jcmd} {broker} JFR.start name=tether-bench-{uuid.uuid4().hex[:8]} "
+               f"duration={int(seconds)}s settings=profile filename={out}")
+        return [subprocess.Popen(["bash", "-c", cmd], stdout=open(self.workdir / "profile-kafka.log", "w"),
+                                 stderr=subprocess.STDOUT)]
 
     def phase_warm(self) -> None:
         """The throughput workload for `warm_s`, not measured: `make bench` starts the broker when it is
