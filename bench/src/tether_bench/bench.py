@@ -94,7 +94,7 @@ class BenchSettings(BaseSettings):
                             "report what grew per parked run by allocation site (the second RSS reading then "
                             "includes tracemalloc's own memory, so the RSS slope is not meaningful).")
     phases: str = Field("warm,light,throughput,latency,peer,recovery,park", description="Which phases to run.")
-    profile: bool = Field(False, description="py-spy record the six services during the throughput phase.")
+    profile: bool = Field(False, description="py-spy record the six services, and JFR the broker, during the throughput phase.")
     start_at: float = Field(0.0, description="Wall-clock time (Unix seconds) to begin the first phase at, once "
                             "the system is up: two benches on one machine then measure side by side, "
                             "under the same load (0 = at once).")
