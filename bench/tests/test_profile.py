@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
+import importlib.util
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -24,21 +25,14 @@ def test_py_spy_stacks_are_summarised_own_and_inclusive(tmp_path: Path) -> None:
 
 
 def _listening_pid(port: int) -> int:
-    """The process listening on a TCP port of this host (by the socket's inode in /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
-                inodes.add(f"socket:[{fields[9]}]")
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-        except OSError:
-            continue
-        if links & inodes:
-            return int(pid)
-    raise AssertionError(f"no process of this host listens on port {port}")
+    """The broker's PID, by its port (deploy/local/stack.py's /proc lookup; the stack is a script, not a package)."""
+    spec = importlib.util.spec_from_file_location("local_stack", Path(__file__).parents[2] / "deploy/local/stack.py")
+    assert spec is not None and spec.loader is not None
+    stack = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(stack)
+    pid = stack.listening_pid(port)
+    assert pid is not None, f"no process of this host listens on port {port}"
+    return pid
 
 
 def test_a_broker_recording_is_summarised_by_thread_and_request(kafka_bootstrap, kafka_topics, tmp_path: Path) -> None:

@@ -118,17 +118,38 @@ def port_free(port: int) -> bool:
     return True
 
 
+def listening_pid(port: int) -> int | None:
+    """The PID of the process listening on the TCP port, from /proc (Linux); None if not found."""
+    inodes = _listening_inodes(port)
+    return _pid_holding(inodes) if inodes else None
+
+
 def port_holder(port: int) -> str:
     """Best effort 'pid N (name)' of whoever listens on the port, from /proc (Linux)."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return "an unknown process"
+    pid = _pid_holding(inodes)
+    if pid is None:
+        return "a process this user cannot see"
+    comm = Path(f"/proc/{pid}/comm")
+    with contextlib.suppress(OSError):
+        return f"pid {pid} ({comm.read_text().strip()})"
+    return f"pid {pid}"
+
+
+def _listening_inodes(port: int) -> set[str]:
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError):
             for line in Path(table).read_text().splitlines()[1:]:
                 cols = line.split()
-                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
                     inodes.add(f"socket:[{cols[9]}]")
-    if not inodes:
-        return "an unknown process"
+    return inodes
+
+
+def _pid_holding(inodes: set[str]) -> int | None:
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -136,8 +157,8 @@ def port_holder(port: int) -> str:
             for fd in (proc / "fd").iterdir():
                 with contextlib.suppress(OSError):
                     if os.readlink(fd) in inodes:
-                        return f"pid {proc.name} ({(proc / 'comm').read_text().strip()})"
-    return "a process this user cannot see"
+                        return int(proc.name)
+    return None
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
