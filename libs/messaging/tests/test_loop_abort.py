@@ -87,10 +87,31 @@ def _latest_changelog(bootstrap: str, topic: str) -> dict[bytes, bytes | None]:
     return latest
 
 
+class _FirstAbortFailsFatally(Producer):
+    """A real transactional producer whose first abort fails as librdkafka's sometimes does
+    (confluentinc/librdkafka#4849: a fatal INVALID_TXN_STATE) without aborting anything: the
+    transaction stays open on the broker, and only the loop's replacement producer can end it."""
+
+    failures_left = 1
+
+    def abort_transaction(self, *args: object) -> None:
+        if type(self).failures_left:
+            type(self).failures_left -= 1
+            raise KafkaException(KafkaError(
+                KafkaError.INVALID_TXN_STATE,
+                "Failed to end transaction: Broker: Producer attempted a transactional operation in an invalid state",
+                fatal=True))
+        super().abort_transaction(*args)
+
+
 @pytest.mark.integration
+@pytest.mark.parametrize("abort_fails", [False, True], ids=["abort-succeeds", "abort-fails-fatally-once"])
 def test_an_aborted_batch_is_rolled_back_and_its_inputs_handled_again_exactly_once(
-    kafka_bootstrap: str, topic_prefix: str
+    kafka_bootstrap: str, topic_prefix: str, abort_fails: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if abort_fails:
+        monkeypatch.setattr(_FirstAbortFailsFatally, "failures_left", 1)
+        monkeypatch.setattr(loop_mod, "Producer", _FirstAbortFailsFatally)
     topics = Topics(topic_prefix)
     declare_topics(kafka_bootstrap, PARTITIONS, ["eos"], prefix=topic_prefix)
     producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 50})
@@ -106,6 +127,7 @@ def test_an_aborted_batch_is_rolled_back_and_its_inputs_handled_again_exactly_on
     processor = AbortsOnce(topics)
     loop = ProcessorLoop(processor, LoopConfig(bootstrap=kafka_bootstrap, topics=topics))
     aborted_before = loop_mod.BATCHES.labels("eos", "aborted")._value.get()
+    replaced_before = loop_mod.PRODUCERS_REPLACED.labels("eos")._value.get()
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -137,6 +159,8 @@ def test_an_aborted_batch_is_rolled_back_and_its_inputs_handled_again_exactly_on
 
     assert processor.poisoned == {f"run-{r}" for r in range(RUNS)}
     assert loop_mod.BATCHES.labels("eos", "aborted")._value.get() >= aborted_before + 1, "no batch was aborted"
+    replaced = loop_mod.PRODUCERS_REPLACED.labels("eos")._value.get() - replaced_before
+    assert replaced == (1 if abort_fails else 0)
     # Nothing of an aborted transaction is visible, and every input has exactly one output, in
     # order, numbered without gaps by the run's checkpointed counter (the aborted batch's
     # counter increments were rolled back, not carried into the replay).
