@@ -225,6 +225,29 @@ def test_an_abort_that_times_out_is_retried_not_fatal(failures: list[KafkaError]
         assert producer.calls == 1
 
 
+def test_only_the_current_producer_s_fatal_error_ends_the_loop() -> None:
+    """After a replacement (`_replace_producer`) the old producer's fatal error is history: its
+    error callback no longer sets the loop's fatal error, while the new one's and a consumer's do."""
+    loop = ProcessorLoop(eos_processor.EosProcessor(Topics("unused."), 0), LoopConfig(bootstrap="127.0.0.1:1"))
+    invalid_state = KafkaError(KafkaError.INVALID_TXN_STATE, "invalid state", fatal=True)
+    old_cb = loop._producer_config()["error_cb"]
+    old_cb(invalid_state)
+    assert loop._fatal is invalid_state  # before the replacement, it would end the loop
+    loop._producer = _AbortTimesOut([])
+    loop._producer.purge = lambda **_kw: None
+    loop._call = lambda fn: None  # no broker here: the new producer's init_transactions is not run
+    loop._replace_producer(why="test")
+    assert loop._fatal is None
+    old_cb(invalid_state)
+    assert loop._fatal is None
+    fenced = KafkaError(KafkaError._FENCED, "fenced", fatal=True)
+    loop._producer_config()["error_cb"](fenced)
+    assert loop._fatal is fenced
+    loop._fatal = None
+    loop._on_client_error(fenced)  # a consumer's (no producer generation)
+    assert loop._fatal is fenced
+
+
 @pytest.mark.parametrize(("call_s", "exits"), [(1.5, True), (0.05, False)], ids=["hung", "in-time"])
 def test_a_hung_transactional_call_ends_the_process(call_s: float, exits: bool) -> None:
     """librdkafka can block in commit_transaction past its timeout (after a broker restart): the

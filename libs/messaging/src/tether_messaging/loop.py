@@ -567,8 +567,9 @@ class ProcessorLoop:
 
         self._consumer: Consumer | None = None
         self._producer: Producer | None = None
-        #: Which producer is current: a replaced one's late fatal error must not end the loop.
+        #: Which producer is current: a replaced one's fatal error must not end the loop.
         self._producer_generation = 0
+        self._fatal_producer_generation: int | None = None  # which producer set `_fatal` (None: a consumer)
         self._restorer: Consumer | None = None
         self._pool: FairWorkQueue[_Work] | None = None
         self._delivery_errors: list[KafkaError] = []
@@ -692,17 +693,17 @@ class ProcessorLoop:
         generation = self._producer_generation
 
         def on_error(err: KafkaError) -> None:
-            if generation == self._producer_generation:
-                self._on_client_error(err)
-            else:
-                self._log.info("replaced_producer_error", error=err.str(), code=err.name(), fatal=err.fatal())
+            self._on_client_error(err, producer_generation=generation)
 
         return on_error
 
-    def _on_client_error(self, err: KafkaError) -> None:
-        if err.fatal():
+    def _on_client_error(self, err: KafkaError, producer_generation: int | None = None) -> None:
+        replaced = producer_generation is not None and producer_generation != self._producer_generation
+        if err.fatal() and not replaced:
             self._fatal = err
-        self._log.warning("kafka_client_error", error=err.str(), code=err.name(), fatal=err.fatal())
+            self._fatal_producer_generation = producer_generation
+        self._log.warning("kafka_client_error", error=err.str(), code=err.name(), fatal=err.fatal(),
+                          **({"replaced_producer": True} if replaced else {}))
 
     def _on_delivery(self, err: KafkaError | None, _msg: Message) -> None:
         if err is not None:
@@ -1366,6 +1367,9 @@ class ProcessorLoop:
         transaction. Raises FatalLoopError if that fails (fenced by a newer instance: exit)."""
         old = self._producer
         self._producer_generation += 1
+        if (self._fatal is not None and self._fatal_producer_generation is not None
+                and self._fatal.code() == KafkaError.INVALID_TXN_STATE):
+            self._fatal = None  # the replaced producer's own report of the failure being handled
         self._log.warning("producer_replacing", why=why, transactional_id=self.transactional_id)
         try:
             # Whatever the old one still queues belongs to the aborted transaction.
