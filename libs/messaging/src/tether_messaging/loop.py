@@ -569,7 +569,6 @@ class ProcessorLoop:
         self._producer: Producer | None = None
         #: Which producer is current: a replaced one's fatal error must not end the loop.
         self._producer_generation = 0
-        self._fatal_producer_generation: int | None = None  # which producer set `_fatal` (None: a consumer)
         self._restorer: Consumer | None = None
         self._pool: FairWorkQueue[_Work] | None = None
         self._delivery_errors: list[KafkaError] = []
@@ -701,7 +700,6 @@ class ProcessorLoop:
         replaced = producer_generation is not None and producer_generation != self._producer_generation
         if err.fatal() and not replaced:
             self._fatal = err
-            self._fatal_producer_generation = producer_generation
         self._log.warning("kafka_client_error", error=err.str(), code=err.name(), fatal=err.fatal(),
                           **({"replaced_producer": True} if replaced else {}))
 
@@ -1367,9 +1365,10 @@ class ProcessorLoop:
         transaction. Raises FatalLoopError if that fails (fenced by a newer instance: exit)."""
         old = self._producer
         self._producer_generation += 1
-        if (self._fatal is not None and self._fatal_producer_generation is not None
-                and self._fatal.code() == KafkaError.INVALID_TXN_STATE):
-            self._fatal = None  # the replaced producer's own report of the failure being handled
+        if self._fatal is not None and self._fatal.code() == KafkaError.INVALID_TXN_STATE:
+            # The replaced producer's own report of the failure being handled (only a
+            # transactional producer reports this code, never a consumer).
+            self._fatal = None
         self._log.warning("producer_replacing", why=why, transactional_id=self.transactional_id)
         try:
             # Whatever the old one still queues belongs to the aborted transaction.
