@@ -68,6 +68,7 @@ def rebuild(settings: ProjectorSettings, schema: str | None, with_redis: bool, b
             group_id=f"{settings.topics().group_id('projector')}.rebuild",
             metrics=ProjectorMetrics(),
             live=build_live(settings) if with_redis else None,
+            schema_registry_url=settings.schema_registry_url,
             batch_size=batch or settings.rebuild_batch,
         )
     except (RebuildFailed, ReadModelUnavailable) as exc:

@@ -4,6 +4,12 @@ The log is read with manual assignment of every partition from the beginning (re
 no consumer group offsets used or committed) into a staging schema `<target>__rebuild`, in
 large transactions; when every partition has reached its end, the staging schema replaces the
 target schema in one transaction, so readers switch from the old tables to the new ones at once.
+
+Records are decoded as the live projector decodes them (either wire format; the registry's needs
+its URL). A record the live projector would dead-letter (corrupt, an unknown schema) is skipped and
+counted; a log that cannot be decoded at all — framed records and no registry URL, or the registry
+unreachable — fails the rebuild before anything replaces the target, so a misconfigured rebuild
+can never swap an empty read model in for a full one.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from dataclasses import dataclass
 import structlog
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
-from tether_messaging.serde import SerdeError, decode_envelope, open_payload
+from tether_messaging.registry import RegistryCodec, SchemaRegistryUnavailable, envelope_codec
+from tether_messaging.serde import SerdeError, UnknownSchemaId, open_payload
 from tether_projector.adapters.postgres import PostgresReadModel
 from tether_projector.handlers import Deps, project_batch
 from tether_projector.metrics import ProjectorMetrics
@@ -54,6 +61,7 @@ def rebuild(
     group_id: str,
     metrics: ProjectorMetrics,
     live: LiveState | None = None,
+    schema_registry_url: str | None = None,
     batch_size: int = 2_000,
     timeout_s: float = 3_600.0,
 ) -> RebuildReport:
@@ -66,6 +74,7 @@ def rebuild(
     if not SCHEMA_NAME.match(target_schema):
         raise RebuildFailed(f"schema name {target_schema!r} must match {SCHEMA_NAME.pattern}")
     started = time.monotonic()
+    codec = envelope_codec(schema_registry_url)
     staging = PostgresReadModel(dsn, f"{target_schema}__rebuild", lock_runs=False)
     staging.drop_schema()
     staging.ensure_schema()
@@ -107,8 +116,20 @@ def rebuild(
                     continue
                 records += 1
                 try:
-                    envelope = decode_envelope(msg.value() or b"")
+                    envelope = codec.decode_value(msg.value() or b"")
                     events.append(LogEvent(envelope, open_payload(envelope)))
+                except SchemaRegistryUnavailable as exc:
+                    # Not a bad record: skipping would drop good events from the new read model.
+                    raise RebuildFailed(f"{topic}[{msg.partition()}]@{msg.offset()}: schema registry "
+                                        f"unavailable: {exc}") from exc
+                except UnknownSchemaId as exc:
+                    if not schema_registry_url:
+                        # The log is in the registry's wire format: every such record would be
+                        # skipped and the rebuilt read model would miss them all.
+                        raise RebuildFailed(f"{topic}[{msg.partition()}]@{msg.offset()} is in the schema "
+                                            "registry's wire format: set TETHER_SCHEMA_REGISTRY_URL") from exc
+                    undecodable += 1
+                    log.warning("undecodable_record", reason=exc.reason, partition=msg.partition(), offset=msg.offset())
                 except SerdeError as exc:
                     # The live projector dead-letters these; a rebuild skips them the same way.
                     undecodable += 1
@@ -123,6 +144,8 @@ def rebuild(
     finally:
         consumer.close()
         staging.close()
+        if isinstance(codec, RegistryCodec):
+            codec.client.close()
     report = RebuildReport(
         schema=target_schema,
         records=records,
