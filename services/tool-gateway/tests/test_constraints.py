@@ -77,6 +77,12 @@ def test_urls_on_the_allowlist_pass(url):
     ("http://allowed.com:99999/", "not a valid port"),
     ("http://allowed.com:80x/", "not a valid port"),
     ("http:///x", "empty"),
+    ("http://-1.2.3.4/", "not a valid one"),              # int() takes a sign; an address does not
+    ("http://127.0.0.+1/", "not a valid host name"),
+    ("http://1_27.0.0.1/", "not a valid one"),            # nor '_'
+    ("http://127.0.0.1:\u00b2/", "not a valid port"),        # '²' is a digit to str.isdigit
+    ("http://127.0.0.1:+80/", "not a valid port"),
+    ("http://127.0.0.\u00b2/", "'127.0.0.2' is not on the egress"),  # UTS #46 maps '²' to '2': an IP, as parsers read it
 ])
 def test_urls_off_the_allowlist_or_ambiguous_are_violations(url, why):
     found = violations(EGRESS, {"url": url})

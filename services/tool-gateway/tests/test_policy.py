@@ -114,6 +114,28 @@ def test_unreadable_constraints_deny_the_call():
     assert v.reason_code == "CONSTRAINT_VIOLATION" and "cannot be checked" in v.detail
 
 
+@pytest.mark.parametrize("tool,args,why", [
+    (FETCH, {"url": "http://-1.2.3.4/"}, "not a valid one"),
+    (FETCH, {"url": "http://+1.2.3.4/"}, "not a valid one"),
+    (FETCH, {"url": "http://1_0.0.0.1/"}, "not a valid one"),
+    (FETCH, {"url": "https://api.example.com:\u00b2/x"}, "not a valid port"),
+    (FETCH, {"url": "https://docs.example.com:\uff18\uff10/x"}, "not a valid port"),
+    (EMAIL, {**EMAIL_ARGS, "to": "a@-1.2.3.4"}, "recipient domain"),
+])
+def test_model_written_hosts_and_ports_the_checker_cannot_read_are_denied_not_raised(tool, args, why):
+    v = verdict(TrustPolicy(), inputs(tool, args))
+    assert isinstance(v, Deny) and v.reason_code == "CONSTRAINT_VIOLATION" and why in v.detail
+
+
+def test_a_failing_constraint_check_denies_the_call(monkeypatch):
+    def broken(constraints, args):
+        raise RuntimeError("checker bug")
+    monkeypatch.setattr("tether_tool_gateway.domain.policy.check_constraints", broken)
+    v = verdict(TrustPolicy(), inputs(FETCH, FETCH_ARGS))
+    assert v == Deny("CONSTRAINT_VIOLATION",
+                     "the arguments cannot be checked against the tool's constraints (RuntimeError)")
+
+
 def test_schema_is_checked_before_constraints():
     v = verdict(TrustPolicy(), inputs(FETCH, {"url": 5}))
     assert v.reason_code == "INVALID_ARGS"

@@ -30,6 +30,9 @@ _LOCAL_PART = re.compile(r"^[A-Za-z0-9!#$%&'*+/=?^_`{|}~.-]+$")
 _DECIMAL = re.compile(r"^-?[0-9]+(\.[0-9]+)?$")
 _DISPLAY_ATOMS = re.compile(r"^[^<>@,;:\"()\[\]\\]*$")
 _MAX_TEXT = 4096
+_DECIMAL_DIGITS = re.compile(r"[0-9]+")
+_OCTAL_DIGITS = re.compile(r"[0-7]+")
+_HEX_NUMBER = re.compile(r"0[xX][0-9a-fA-F]*")
 
 
 class ConstraintsInvalid(ValueError):
@@ -171,7 +174,7 @@ def _select(doc: Any, pointer: str) -> Iterator[tuple[str, Any]]:
                     yield from walk(node[key], i + 1, f"{path}/{_escape(key)}")
         elif isinstance(node, dict) and token in node:
             yield from walk(node[token], i + 1, f"{path}/{_escape(token)}")
-        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+        elif isinstance(node, list) and _DECIMAL_DIGITS.fullmatch(token) and int(token) < len(node):
             yield from walk(node[int(token)], i + 1, f"{path}/{token}")
 
     yield from walk(doc, 0, "")
@@ -183,16 +186,17 @@ class HostInvalid(ValueError):
 
 
 def _ipv4_number(part: str) -> int:
-    # WHATWG URL host parsing: 0x.. is hex, a leading 0 is octal, else decimal.
-    if part.lower().startswith("0x"):
-        digits, base = part[2:], 16
-    elif len(part) > 1 and part.startswith("0"):
-        digits, base = part[1:], 8
-    else:
-        digits, base = part, 10
-    if digits == "":
-        return 0
-    return int(digits, base)
+    # WHATWG URL host parsing: 0x.. is hex, a leading 0 is octal, else decimal. ASCII digits only:
+    # int() alone would also take a sign, '_', spaces and non-ASCII digits.
+    if _HEX_NUMBER.fullmatch(part):
+        return int(part[2:] or "0", 16)
+    if len(part) > 1 and part.startswith("0"):
+        if not _OCTAL_DIGITS.fullmatch(part[1:]):
+            raise ValueError(f"{part!r} is not an octal number")
+        return int(part[1:], 8)
+    if not _DECIMAL_DIGITS.fullmatch(part):
+        raise ValueError(f"{part!r} is not a number")
+    return int(part)
 
 
 def _whatwg_ipv4(host: str) -> ipaddress.IPv4Address | None:
@@ -201,7 +205,7 @@ def _whatwg_ipv4(host: str) -> ipaddress.IPv4Address | None:
     if parts[-1] == "" and len(parts) > 1:
         parts = parts[:-1]
     last = parts[-1]
-    if not (last.isdigit() or re.fullmatch(r"0[xX][0-9a-fA-F]*", last)):
+    if not (_DECIMAL_DIGITS.fullmatch(last) or _HEX_NUMBER.fullmatch(last)):
         return None  # a name, not a number
     if len(parts) > 4:
         raise HostInvalid(f"{host!r} looks like an IPv4 address but has more than four parts")
@@ -233,16 +237,17 @@ def normalise_host(host: str) -> Host:
         host = host[:-1]
     if not host:
         raise HostInvalid("the host is empty")
-    ip = _whatwg_ipv4(host)
-    if ip is not None:
-        return ip
     if host.isascii():
         name = host.lower()
     else:
+        # Mapped to ASCII before the IPv4 test, as a URL parser does: '１２７.０.０.１' is 127.0.0.1.
         try:
             name = idna.encode(host, uts46=True).decode("ascii")
         except idna.IDNAError as exc:
             raise HostInvalid(f"{host!r} is not a valid internationalised domain name ({exc})") from None
+    ip = _whatwg_ipv4(name)
+    if ip is not None:
+        return ip
     if not _ASCII_HOST.match(name) or any(len(label) > 63 for label in name.split(".")):
         raise HostInvalid(f"{host!r} is not a valid host name")
     return name
@@ -324,7 +329,7 @@ def check_url(rule: EgressRule, value: Any) -> str | None:
     except HostInvalid as exc:
         return str(exc)
     if port_text is not None and port_text != "":
-        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        if not _DECIMAL_DIGITS.fullmatch(port_text) or not 0 < int(port_text) < 65536:
             return f"port {port_text!r} is not a valid port"
         port = int(port_text)
     else:

@@ -9,6 +9,7 @@ the recorded `policy_version`; and must get the same verdict and `inputs_hash`.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -33,6 +34,8 @@ __all__ = [
     "Decision", "Defer", "Deny", "Policy", "RateAnswer", "RateDecisionInputs", "RequireApproval", "TrustPolicy",
     "Verdict", "approval_id_for", "inputs_hash", "validate_args",
 ]
+
+_log = logging.getLogger(__name__)
 
 _DETAIL_MAX = 500
 
@@ -420,7 +423,12 @@ class TrustPolicy:
             constraints = parse_constraints(tool.constraints_json)
         except ConstraintsInvalid as exc:
             return Deny("CONSTRAINT_VIOLATION", _short(f"the tool's constraints cannot be checked: {exc}"))
-        violations = check_constraints(constraints, json.loads(i.args_json))
+        try:
+            violations = check_constraints(constraints, json.loads(i.args_json))
+        except Exception as exc:  # a checker bug must deny the call, not dead-letter the record
+            _log.exception("constraint check of %s failed; denying the call", i.tool_name)
+            return Deny("CONSTRAINT_VIOLATION",
+                        f"the arguments cannot be checked against the tool's constraints ({type(exc).__name__})")
         if violations:
             return Deny("CONSTRAINT_VIOLATION", _short("; ".join(v.describe() for v in violations)))
         need = self.loaded.approval_for(i.tenant_id, i.agent_id, i.tool_name)
