@@ -261,3 +261,48 @@ def test_health_and_reflection(harness: Harness) -> None:
     [reply] = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in reply.list_services_response.service}
     assert set(SERVICE_NAMES) <= names and "grpc.health.v1.Health" in names
+
+
+def _violated_fields(err: grpc.RpcError) -> set[str]:
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    info, details = error_info(err)
+    assert info is not None and info.reason == "INVALID_ARGUMENT"
+    return {v.field for d in details if isinstance(d, error_details_pb2.BadRequest) for v in d.field_violations}
+
+
+def test_a_nul_character_in_any_stored_string_is_a_field_violation(harness: Harness) -> None:
+    # proto3 strings may hold U+0000; PostgreSQL text and jsonb cannot, so each is refused up front.
+    bad_agent = agent()
+    bad_agent.display_name, bad_agent.instructions, bad_agent.model.name = "He\x00lper", "Help\x00.", "m\x00"
+    with pytest.raises(grpc.RpcError) as err:
+        harness.agents.CreateAgent(agents_pb.CreateAgentRequest(agent=bad_agent), metadata=auth(ADMIN_KEY))
+    assert _violated_fields(err.value) == {"agent.display_name", "agent.instructions", "agent.model.name"}
+    tool = tools_pb.Tool(name="t", description="d\x00", risk_class=types_pb.RISK_CLASS_READ_ONLY,
+                         executor_kind="builtin", args_schema_json='{"type": "object", "title": "a\\u0000b"}',
+                         constraints_json='{"k\\u0000": 1}')
+    with pytest.raises(grpc.RpcError) as err:
+        harness.tools.RegisterTool(tools_pb.RegisterToolRequest(tool=tool), metadata=auth(ADMIN_KEY))
+    assert _violated_fields(err.value) == {"tool.description", "tool.args_schema_json", "tool.constraints_json"}
+
+    # The goal is refused before a rate-limit token is spent: the one token left still admits a run.
+    harness.services.limiter = SubmitRateLimiter(0.001, 1)
+    harness.agents.CreateAgent(agents_pb.CreateAgentRequest(agent=agent()), metadata=auth(ADMIN_KEY))
+    with pytest.raises(grpc.RpcError) as err:
+        harness.runs.SubmitRun(runs_pb.SubmitRunRequest(request_id="r1", agent_id="helper", goal="find\x00things"),
+                               metadata=auth(MEMBER_KEY))
+    assert _violated_fields(err.value) == {"goal"}
+    assert harness.services.publisher.published == []
+    run_id = harness.runs.SubmitRun(runs_pb.SubmitRunRequest(request_id="r2", agent_id="helper", goal="g"),
+                                    metadata=auth(MEMBER_KEY)).run_id
+
+    with pytest.raises(grpc.RpcError) as err:
+        harness.runs.CancelRun(runs_pb.CancelRunRequest(run_id=run_id, reason="stop\x00"), metadata=auth(MEMBER_KEY))
+    assert _violated_fields(err.value) == {"reason"}
+    with pytest.raises(grpc.RpcError) as err:
+        harness.approvals.GetApproval(approvals_pb.GetApprovalRequest(approval_id="a\x00"), metadata=auth(MEMBER_KEY))
+    assert _violated_fields(err.value) == {"approval_id"}
+    with pytest.raises(grpc.RpcError) as err:
+        harness.approvals.DecideApproval(approvals_pb.DecideApprovalRequest(
+            approval_id="a\x00", args_hash="0" * 64, approve=True, comment="ok\x00"), metadata=auth(ADMIN_KEY))
+    assert _violated_fields(err.value) == {"approval_id", "comment"}
+    assert len(harness.services.publisher.published) == 1  # only the valid submit

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 
 import psycopg
 import pytest
 from psycopg import sql
 
 from tether_contracts.records import AgentSpec, Caps, ModelRef, RiskClass, ToolSpec
+from tether_run_api import admin
 from tether_run_api.adapters.postgres import PostgresStore, migrate, open_pool
-from tether_run_api.domain.errors import AgentAlreadyExists, AgentVersionConflict, RequestIdReused
+from tether_run_api.domain.errors import (
+    AgentAlreadyExists,
+    AgentVersionConflict,
+    Category,
+    InvalidArgument,
+    RequestIdReused,
+    UnstorableValue,
+)
 from tether_run_api.domain.views import Submission
 from tether_run_api.ports import Idempotency
 from tether_run_api.testing import FakeCatalog, FakeLedger
@@ -144,3 +153,40 @@ def test_submit_ledger_claims_once_per_tenant_and_request(store) -> None:
     assert [s.run_id for s in store.list_runs("t", "RUN5", 1)] == ["RUN4"]
     assert {s.run_id for s in store.undelivered(6, 10)} == {"RUN3", "RUN5", "RUN4"}  # RUN1 was delivered
     assert store.undelivered(5, 10) == []  # created at 5: not before 5
+
+
+@pytest.mark.integration
+def test_a_value_postgres_cannot_store_is_invalid_argument_not_internal(pg_dsn: str) -> None:
+    # The backstop behind validation: psycopg's DataError (here a U+0000 in a text parameter,
+    # which it refuses itself) becomes UnstorableValue, an INVALID_ARGUMENT refusal.
+    schema = f"run_api_nul_{uuid.uuid4().hex[:10]}"
+    pool = open_pool(pg_dsn, max_size=2)
+    try:
+        migrate(pool, schema)
+        store = PostgresStore(pool, schema)
+        with pytest.raises(UnstorableValue) as err:
+            store.claim(replace(sub("t", "r1", "RUN1"), goal="find\x00things"))
+        assert err.value.category is Category.INVALID_ARGUMENT and err.value.reason == "UNSTORABLE_VALUE"
+        with pytest.raises(UnstorableValue):
+            store.create_agent("t", agent(instructions="a\x00b"), "root", 10, None)
+        # Also out of a column's range: a number, not a character.
+        with pytest.raises(UnstorableValue) as err:
+            store.create_agent("t", agent().model_copy(update={"caps": Caps(
+                max_steps=2**40, max_wall_clock_ms=2, max_tokens=3, max_cost_usd_micros=4)}), "root", 10, None)
+        assert err.value.metadata["sqlstate"] == "22003"
+        assert store.find_run("t", "RUN1") is None and store.get_agent("t", "a") is None
+    finally:
+        pool.close()
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def test_operator_text_with_a_nul_character_is_refused_before_the_store() -> None:
+    untouched = object()  # any store call would fail: validation must refuse first
+    with pytest.raises(InvalidArgument) as err:
+        admin.issue_key(untouched, "acme", "ali\x00ce", ["member"], label="l\x00")  # type: ignore[arg-type]
+    assert {v.field for v in err.value.violations} == {"principal_id", "label"}
+    with pytest.raises(InvalidArgument):
+        admin.create_tenant(untouched, "acme", display_name="A\x00")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        admin.grant_tools(untouched, "acme", "b\x00b", ["web_search"])  # type: ignore[arg-type]

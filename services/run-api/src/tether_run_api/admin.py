@@ -18,6 +18,7 @@ from tether_run_api.domain.auth import (
 from tether_run_api.domain.catalog import AGENT_ID, TOOL_NAME
 from tether_run_api.domain.errors import FieldViolation, InvalidArgument
 from tether_run_api.domain.tenancy import TenantPolicy
+from tether_run_api.domain.text import check_no_nul
 
 DEMO_AGENT_ID = "demo"
 DEMO_INSTRUCTIONS = (
@@ -64,6 +65,8 @@ def create_tenant(store: PostgresStore, tenant_id: str, *, display_name: str = "
         raise InvalidArgument(FieldViolation("tenant_id", "must match [a-z][a-z0-9-]{0,62}"))
     if spread < 1:
         raise InvalidArgument(FieldViolation("spread", "must be at least 1"))
+    if bad := check_no_nul(display_name, "display_name"):
+        raise InvalidArgument(bad)
     store.ensure_tenant(tenant_id, display_name, spread)
 
 
@@ -71,7 +74,8 @@ def set_tenant_limits(store: PostgresStore, tenant_id: str, policy: TenantPolicy
     """Set a tenant's limits (totals over its spread; 0 = no limit). New submits carry them at once;
     runs already queued or running keep their place (docs/tenancy.md)."""
     names = ("max_concurrent_runs", "max_queued_runs", "spend_cap_usd_micros", "spend_window_ms", "tokens_per_minute")
-    bad = [FieldViolation(n, "must not be negative (0 = no limit)") for n in names if getattr(policy, n) < 0]
+    bad = check_no_nul(tenant_id, "tenant_id")
+    bad += [FieldViolation(n, "must not be negative (0 = no limit)") for n in names if getattr(policy, n) < 0]
     if policy.max_queued_runs > 0 and policy.max_concurrent_runs <= 0:
         bad.append(FieldViolation("max_queued_runs", "a queue needs a concurrency cap (max_concurrent_runs > 0)"))
     if bad:
@@ -84,8 +88,12 @@ def issue_key(store: PostgresStore, tenant_id: str, principal_id: str, roles: It
               label: str = "", api_key: str | None = None) -> IssuedKey:
     """Store a key (a new random one unless given) for a principal of an existing tenant."""
     checked = _check_roles(roles)
+    bad = check_no_nul(tenant_id, "tenant_id") + check_no_nul(principal_id, "principal_id")
+    bad += check_no_nul(label, "label")
     if not principal_id or len(principal_id) > 128:
-        raise InvalidArgument(FieldViolation("principal_id", "must be 1-128 characters"))
+        bad.append(FieldViolation("principal_id", "must be 1-128 characters"))
+    if bad:
+        raise InvalidArgument(bad)
     key = api_key or generate_api_key()
     store.add_api_key(hash_api_key(key), tenant_id, principal_id, checked, label)
     return IssuedKey(key, tenant_id, principal_id, checked)
@@ -96,6 +104,8 @@ def grant_tools(store: PostgresStore, tenant_id: str, principal_id: str, tool_na
     bad = [n for n in tool_names if not TOOL_NAME.match(n)]
     if bad:
         raise InvalidArgument(FieldViolation("tool_names", f"not tool names: {', '.join(bad)}"))
+    if nul := check_no_nul(tenant_id, "tenant_id") + check_no_nul(principal_id, "principal_id"):
+        raise InvalidArgument(nul)
     store.grant(tenant_id, principal_id, tool_names)
 
 

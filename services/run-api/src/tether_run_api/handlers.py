@@ -59,6 +59,7 @@ from tether_run_api.domain.runs import (
 )
 from tether_run_api.domain.stream import Offer, SeqGate
 from tether_run_api.domain.tenancy import AdmissionGate, lane_limits
+from tether_run_api.domain.text import check_no_nul
 from tether_run_api.domain.trace import Trace, build_trace
 from tether_run_api.domain.views import ApprovalView, EventView, RunView, StepView, Submission
 from tether_run_api.ports import (
@@ -358,8 +359,11 @@ def cancel_run(
 ) -> None:
     """Produce a CancelRun command for a run of the tenant that has not finished."""
     principal.require(ROLE_MEMBER)
+    violations = check_no_nul(reason, "reason")
     if len(reason) > 1000:
-        raise InvalidArgument(FieldViolation("reason", "must be at most 1000 characters"))
+        violations.append(FieldViolation("reason", "must be at most 1000 characters"))
+    if violations:
+        raise InvalidArgument(violations)
     view = _visible_run(principal.tenant_id, run_id, read_model, ledger)
     if view.status.finished:
         raise RunAlreadyFinished(run_id, view.status.value)
@@ -595,8 +599,11 @@ def list_approvals(
 def get_approval(approval_id: str, *, principal: Principal, read_model: ReadModel) -> ApprovalView:
     """One approval of the tenant."""
     principal.require(ROLE_MEMBER)
+    violations = check_no_nul(approval_id, "approval_id")
     if not approval_id or len(approval_id) > 128:
-        raise InvalidArgument(FieldViolation("approval_id", "must be 1-128 characters"))
+        violations.append(FieldViolation("approval_id", "must be 1-128 characters"))
+    if violations:
+        raise InvalidArgument(violations)
     approval = read_model.get_approval(principal.tenant_id, approval_id)
     if approval is None:
         raise ApprovalNotFound(approval_id)
@@ -630,13 +637,14 @@ def decide_approval(
     tenant's and pending, not expired, not approved by the run's own submitter, for these args)
     and produce a DecideApproval command; the approval service makes the binding decision."""
     principal.require(ROLE_APPROVER)
-    violations = []
+    violations = check_no_nul(decision.approval_id, "approval_id")
     if not decision.approval_id or len(decision.approval_id) > 128:
         violations.append(FieldViolation("approval_id", "must be 1-128 characters"))
     if len(decision.args_hash) != 64 or not set(decision.args_hash) <= _HEX64:
         violations.append(FieldViolation("args_hash", "must be the 64-character lowercase hex sha256 of the args"))
     if len(decision.comment) > 4000:
         violations.append(FieldViolation("comment", "must be at most 4000 characters"))
+    violations += check_no_nul(decision.comment, "comment")
     if violations:
         raise InvalidArgument(violations)
     tenant = principal.tenant_id

@@ -19,6 +19,7 @@ from tether_run_api.domain.errors import (
     AgentVersionConflict,
     BackendUnavailable,
     RequestIdReused,
+    UnstorableValue,
 )
 from tether_run_api.domain.tenancy import TenantPolicy
 from tether_run_api.domain.views import Submission
@@ -134,7 +135,12 @@ CREATE INDEX IF NOT EXISTS submissions_tenant_created ON {s}.submissions (tenant
 
 
 def unavailable_as_error(fn: Callable[P, T]) -> Callable[P, T]:
-    """Turn a lost connection or an exhausted pool into BackendUnavailable (UNAVAILABLE, retryable)."""
+    """Turn a lost connection or an exhausted pool into BackendUnavailable (UNAVAILABLE, retryable),
+    and a value PostgreSQL cannot store (DataError) into UnstorableValue (INVALID_ARGUMENT).
+
+    Validation refuses such values with a field violation first; this is the backstop for one it
+    missed, so a client's bad value is never reported as the server's INTERNAL failure.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
@@ -142,6 +148,9 @@ def unavailable_as_error(fn: Callable[P, T]) -> Callable[P, T]:
             return fn(*args, **kwargs)
         except (psycopg.OperationalError, PoolTimeout) as exc:
             raise BackendUnavailable("postgres", type(exc).__name__) from exc
+        except psycopg.DataError as exc:
+            # psycopg raises it itself, without a sqlstate, for a NUL in a text parameter.
+            raise UnstorableValue(exc.sqlstate) from exc
 
     return wrapper
 

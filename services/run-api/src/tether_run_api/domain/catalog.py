@@ -11,6 +11,7 @@ from jsonschema.validators import validator_for
 
 from tether_contracts.records import AgentSpec, Caps, ModelRef, RiskClass, ToolSpec
 from tether_run_api.domain.errors import FieldViolation, InvalidArgument
+from tether_run_api.domain.text import NUL_PROBLEM, check_no_nul, json_has_nul
 
 # The gateway enforces the constraints; parsing them with its own (pure) parser here means a
 # tool is refused at registration rather than failing closed on every call later.
@@ -140,6 +141,9 @@ def validate_agent(draft: AgentDraft, limits: CatalogLimits, *, path: str = "age
         v.append(FieldViolation(f"{path}.model.provider", "must name a provider adapter, e.g. 'openai' or 'anthropic'"))
     if not draft.model_name.strip() or len(draft.model_name) > 200:
         v.append(FieldViolation(f"{path}.model.name", "must be 1-200 characters"))
+    v += check_no_nul(draft.display_name, f"{path}.display_name")
+    v += check_no_nul(draft.instructions, f"{path}.instructions")
+    v += check_no_nul(draft.model_name, f"{path}.model.name")
     if draft.context_window_tokens < 0:
         v.append(FieldViolation(f"{path}.model.context_window_tokens", "must not be negative (0 = default)"))
     if len(draft.tool_allowlist) > limits.max_allowlist:
@@ -190,6 +194,9 @@ def _json_object(text: str, path: str, limit: int, *, empty_ok: bool) -> tuple[d
         return None, [FieldViolation(path, f"is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")]
     if not isinstance(value, dict):
         return None, [FieldViolation(path, "must be a JSON object")]
+    if json_has_nul(value):
+        # Valid JSON (as the escape \u0000), but no jsonb column can hold it.
+        return None, [FieldViolation(path, f"{NUL_PROBLEM} in any string or key")]
     return value, []
 
 
@@ -219,6 +226,7 @@ def validate_tool(draft: ToolDraft, limits: CatalogLimits, *, path: str = "tool"
     v = check_tool_name(draft.name, f"{path}.name")
     if not draft.description.strip() or len(draft.description) > limits.max_description_chars:
         v.append(FieldViolation(f"{path}.description", f"must be 1-{limits.max_description_chars} characters"))
+    v += check_no_nul(draft.description, f"{path}.description")
     v += check_args_schema(draft.args_schema_json, limits.max_schema_bytes, f"{path}.args_schema_json")
     try:
         risk = RiskClass(draft.risk_class)

@@ -87,6 +87,20 @@ class InvalidPageToken(InvalidArgument):
         super().__init__(FieldViolation("page_token", "not a page token issued for this listing"))
 
 
+class UnstorableValue(InvalidArgument):
+    """A value the database refused as data (psycopg DataError: a U+0000 character, a number out of
+    range) that validation did not catch; the request cannot succeed unchanged, so not INTERNAL."""
+
+    reason = "UNSTORABLE_VALUE"
+
+    def __init__(self, sqlstate: str | None = None) -> None:
+        super().__init__(FieldViolation(
+            "request", "holds a value the database cannot store (such as a U+0000 character or a number out of range)"
+        ))
+        if sqlstate:
+            self.metadata["sqlstate"] = sqlstate
+
+
 class MalformedRequest(ApiError):
     """The request's bytes are not the method's protobuf message; retrying them unchanged cannot succeed."""
 

@@ -10,6 +10,7 @@ from tether_contracts.records import AgentSpec, Caps, SubmitRun, TenantLimits, T
 from tether_run_api.domain.auth import Principal
 from tether_run_api.domain.catalog import CapsDraft, canonical_json, check_agent_id, check_tool_name
 from tether_run_api.domain.errors import FieldViolation, InvalidArgument
+from tether_run_api.domain.text import check_no_nul
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 RUN_ID = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
@@ -60,6 +61,7 @@ def validate_submit(req: SubmitRequest, limits: RunLimits) -> None:
         v.append(FieldViolation("goal", "must not be empty"))
     elif len(req.goal) > limits.max_goal_chars:
         v.append(FieldViolation("goal", f"must be at most {limits.max_goal_chars} characters, got {len(req.goal)}"))
+    v += check_no_nul(req.goal, "goal")
     for name in ("max_steps", "max_wall_clock_ms", "max_tokens", "max_cost_usd_micros", "max_tool_calls"):
         if getattr(req.caps, name) < 0:
             v.append(FieldViolation(f"caps.{name}", "must not be negative (0 = the agent's cap)"))
