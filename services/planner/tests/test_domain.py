@@ -259,6 +259,28 @@ def test_pricing_exact_prefix_and_default(tmp_path: Path) -> None:
         table.with_file(f)
 
 
+def test_pricing_matches_snapshots_only_never_pricier_variants() -> None:
+    table = PricingTable()
+    # Longer names that are other (pricier) models: unknown, charged the default, reported unpriced.
+    for variant in ["o3-pro", "o3-pro-2025-06-10", "o3-deep-research", "gpt-4o-audio-preview-2024-12-17", "o3-2025"]:
+        assert table.price_of(variant) is None, variant
+        cost = table.cost(variant, 100, 10)
+        assert not cost.priced and cost.usd_micros == 100 * 10 + 10 * 30, variant
+    for snapshot, base in [
+        ("o3-2025-04-16", "o3"),
+        ("gpt-4o-2024-08-06", "gpt-4o"),
+        ("gpt-4.1-mini-2025-04-14", "gpt-4.1-mini"),
+        ("claude-3-5-sonnet-20241022", "claude-3-5-sonnet"),
+        ("claude-3-5-sonnet-latest", "claude-3-5-sonnet"),
+        ("claude-sonnet-4-20250514", "claude-sonnet-4"),
+        ("claude-sonnet-4-0", "claude-sonnet-4"),
+        ("claude-sonnet-4-5-20250929", "claude-sonnet-4-5"),
+        ("claude-opus-4-1-20250805", "claude-opus-4-1"),
+    ]:
+        assert table.price_of(snapshot) == table.prices[base], snapshot
+        assert table.cost(snapshot, 10, 10).priced, snapshot
+
+
 # -- redaction --------------------------------------------------------------------------------------
 
 

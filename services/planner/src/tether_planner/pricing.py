@@ -1,20 +1,27 @@
 """Model prices and the cost of a call, in millionths of a US dollar.
 
 Prices are USD per million tokens, so cost in micro-dollars = tokens × price exactly. A model
-is found by exact name, then by the longest known prefix (dated snapshots such as
-`gpt-4o-2024-08-06`); an unknown model is charged the configurable default (deliberately
-high, so budgets err on the safe side) and reported as unpriced.
+is found by exact name, then as a snapshot or alias of a known name: the name followed only by
+a date or `latest` (`gpt-4o-2024-08-06`, `claude-3-5-haiku-20241022`, `claude-3-7-sonnet-latest`).
+Any other longer name is another model, often a pricier one (`o3-pro`, `o3-deep-research`), so
+it is unknown: charged the configurable default (deliberately high, so budgets err on the safe
+side) and reported as unpriced.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PRICING_VERSION = "2025-07"
+PRICING_VERSION = "2025-10"
+
+#: What may follow a table name in a snapshot or alias of that model: `-2024-08-06`,
+#: `-20241022`, `-latest`, and Anthropic's `-0` aliases (`claude-sonnet-4-0`).
+_SNAPSHOT_SUFFIX = re.compile(r"-(?:\d{4}-\d{2}-\d{2}|\d{8}|latest|0)")
 
 
 @dataclass(frozen=True)
@@ -35,8 +42,11 @@ DEFAULT_PRICES: Mapping[str, Price] = {
     "o3-mini": Price(1.10, 4.40),
     "o4-mini": Price(1.10, 4.40),
     # Anthropic
+    "claude-opus-4-1": Price(15.00, 75.00),
     "claude-opus-4": Price(15.00, 75.00),
+    "claude-sonnet-4-5": Price(3.00, 15.00),
     "claude-sonnet-4": Price(3.00, 15.00),
+    "claude-haiku-4-5": Price(1.00, 5.00),
     "claude-3-7-sonnet": Price(3.00, 15.00),
     "claude-3-5-sonnet": Price(3.00, 15.00),
     "claude-3-5-haiku": Price(0.80, 4.00),
@@ -69,11 +79,10 @@ class PricingTable:
     def price_of(self, model: str) -> Price | None:
         if model in self.prices:
             return self.prices[model]
-        best = None
-        for name in self.prices:
-            if model.startswith(name) and (best is None or len(name) > len(best)):
-                best = name
-        return self.prices[best] if best is not None else None
+        for name, price in self.prices.items():
+            if model.startswith(name) and _SNAPSHOT_SUFFIX.fullmatch(model, len(name)):
+                return price
+        return None
 
     def cost(self, model: str, input_tokens: int, output_tokens: int) -> Cost:
         """Cost of one call, rounded up to a whole micro-dollar."""
