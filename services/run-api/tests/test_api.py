@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 
@@ -306,3 +307,43 @@ def test_a_nul_character_in_any_stored_string_is_a_field_violation(harness: Harn
             approval_id="a\x00", args_hash="0" * 64, approve=True, comment="ok\x00"), metadata=auth(ADMIN_KEY))
     assert _violated_fields(err.value) == {"approval_id", "comment"}
     assert len(harness.services.publisher.published) == 1  # only the valid submit
+
+
+def _token(listing: str, key: object) -> str:
+    return base64.urlsafe_b64encode(json.dumps({"l": listing, "k": key}).encode()).decode().rstrip("=")
+
+
+def test_a_crafted_page_token_is_invalid_page_token_not_internal(harness: Harness) -> None:
+    # Each listing's token is bound to it and decodes to a key of one shape; any other key, though
+    # valid JSON for that listing, is refused as INVALID_PAGE_TOKEN before it reaches a query.
+    harness.agents.CreateAgent(agents_pb.CreateAgentRequest(agent=agent()), metadata=auth(ADMIN_KEY))
+    run_id = harness.runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="g"),
+                                    metadata=auth(MEMBER_KEY)).run_id
+    md = auth(ADMIN_KEY)
+    calls = {
+        "approvals:PENDING:": lambda t: harness.approvals.ListApprovals(
+            approvals_pb.ListApprovalsRequest(page_token=t), metadata=md),
+        "agents": lambda t: harness.agents.ListAgents(agents_pb.ListAgentsRequest(page_token=t), metadata=md),
+        "tools": lambda t: harness.tools.ListTools(tools_pb.ListToolsRequest(page_token=t), metadata=md),
+        "runs": lambda t: harness.runs.ListRuns(runs_pb.ListRunsRequest(page_token=t), metadata=md),
+        f"steps:{run_id}": lambda t: harness.runs.ListRunSteps(
+            runs_pb.ListRunStepsRequest(run_id=run_id, page_token=t), metadata=md),
+    }
+    crafted = {
+        "approvals:PENDING:": [["x", "y"], [1, 2], [True, "a"], [1.5, "a"], [-1, "a"], [2**64, "a"], [1, ""],
+                               [1, "a\x00"], [1, "a", 3], {"a": 1}, "1"],
+        "agents": [5, ["helper"], "Helper", "helper\x00", "helper\n"],
+        "tools": [5, "Web", "web_search\x00"],
+        "runs": [5, "RUN1", run_id + "\x00", [run_id]],
+        f"steps:{run_id}": ["1", True, 1.5, -1, 2**40, [1]],
+    }
+    for listing, keys in crafted.items():
+        for key in keys:
+            with pytest.raises(grpc.RpcError) as err:
+                calls[listing](_token(listing, key))
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (listing, key, err.value.details())
+            assert reason_of(err.value) == "INVALID_PAGE_TOKEN", (listing, key)
+    # The keys the server issues still resume.
+    for listing, key in {"approvals:PENDING:": [1, "a"], "agents": "helper", "tools": "web_search",
+                         "runs": run_id, f"steps:{run_id}": 1}.items():
+        calls[listing](_token(listing, key))

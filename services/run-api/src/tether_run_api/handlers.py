@@ -7,6 +7,7 @@ domain values; the gRPC servicers in tether_run_api.api convert to and from prot
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -18,6 +19,8 @@ from tether_messaging.serde import decode_envelope, encode
 from tether_run_api.domain.admission import SubmitRateLimiter
 from tether_run_api.domain.auth import ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER, Principal
 from tether_run_api.domain.catalog import (
+    AGENT_ID,
+    TOOL_NAME,
     AgentDraft,
     AgentVersion,
     CatalogLimits,
@@ -38,6 +41,7 @@ from tether_run_api.domain.errors import (
     ApprovalNotPending,
     FieldViolation,
     InvalidArgument,
+    InvalidPageToken,
     RequestIdReused,
     RunAlreadyFinished,
     RunNotFound,
@@ -49,6 +53,7 @@ from tether_run_api.domain.errors import (
 )
 from tether_run_api.domain.paging import decode_token, encode_token, page_size
 from tether_run_api.domain.runs import (
+    RUN_ID,
     RunLimits,
     SubmitRequest,
     build_submit,
@@ -74,6 +79,38 @@ from tether_run_api.ports import (
 PRODUCER = "run-api"
 APPROVAL_STATUSES = ("PENDING", "APPROVED", "REJECTED", "EXPIRED", "WITHDRAWN")
 _HEX64 = frozenset("0123456789abcdef")
+_MAX_INT4 = 2**31 - 1
+_MAX_INT8 = 2**63 - 1
+
+
+def _resume_key(token: str, listing: str, valid: Callable[[object], bool]) -> object | None:
+    """The key a page token resumes after, if it has the shape this listing issues (a token is
+    client input: a crafted key must be INVALID_PAGE_TOKEN, never a query error)."""
+    after = decode_token(token, listing)
+    if after is not None and not valid(after):
+        raise InvalidPageToken()
+    return after
+
+
+def _id_key(pattern: re.Pattern[str]) -> Callable[[object], bool]:
+    return lambda key: type(key) is str and pattern.fullmatch(key) is not None
+
+
+def _step_key(key: object) -> bool:
+    return type(key) is int and 0 <= key <= _MAX_INT4
+
+
+def _approval_key(key: object) -> bool:
+    # [requested_at_ms, approval_id]; type() rather than isinstance(): JSON true is no int here.
+    return (
+        type(key) is list
+        and len(key) == 2
+        and type(key[0]) is int
+        and 0 <= key[0] <= _MAX_INT8
+        and type(key[1]) is str
+        and 0 < len(key[1]) <= 128
+        and not check_no_nul(key[1], "page_token")
+    )
 
 
 def _idem(request_id: str, body: object) -> Idempotency | None:
@@ -158,9 +195,7 @@ def list_agents(
     """A page of agents (latest versions) and the next page token."""
     principal.require(ROLE_MEMBER)
     limit = page_size(size)
-    after = decode_token(token, "agents")
-    if after is not None and not isinstance(after, str):
-        raise InvalidArgument(FieldViolation("page_token", "malformed"))
+    after = _resume_key(token, "agents", _id_key(AGENT_ID))
     rows = catalog.list_agents(principal.tenant_id, after, limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
@@ -207,9 +242,7 @@ def list_tools(
     principal.require(ROLE_MEMBER)
     limit = page_size(size)
     listing = "tools+disabled" if show_disabled else "tools"
-    after = decode_token(token, listing)
-    if after is not None and not isinstance(after, str):
-        raise InvalidArgument(FieldViolation("page_token", "malformed"))
+    after = _resume_key(token, listing, _id_key(TOOL_NAME))
     rows = catalog.list_tools(principal.tenant_id, after, limit + 1, show_disabled)
     more = len(rows) > limit
     rows = rows[:limit]
@@ -406,9 +439,7 @@ def list_runs(
     """A page of the tenant's runs, newest first, with their read-model state where it exists."""
     principal.require(ROLE_MEMBER)
     limit = page_size(size)
-    before = decode_token(token, "runs")
-    if before is not None and not isinstance(before, str):
-        raise InvalidArgument(FieldViolation("page_token", "malformed"))
+    before = _resume_key(token, "runs", _id_key(RUN_ID))
     subs = ledger.list_runs(principal.tenant_id, before, limit + 1)
     more = len(subs) > limit
     subs = subs[:limit]
@@ -430,9 +461,7 @@ def list_run_steps(
     principal.require(ROLE_MEMBER)
     limit = page_size(size)
     listing = f"steps:{run_id}"
-    after = decode_token(token, listing)
-    if after is not None and not isinstance(after, int):
-        raise InvalidArgument(FieldViolation("page_token", "malformed"))
+    after = _resume_key(token, listing, _step_key)
     _visible_run(principal.tenant_id, run_id, read_model, ledger)
     steps = read_model.list_steps(principal.tenant_id, run_id, after or 0, limit + 1)
     more = len(steps) > limit
@@ -586,10 +615,8 @@ def list_approvals(
         raise InvalidArgument(violations)
     limit = page_size(size)
     listing = f"approvals:{status}:{run_id}"
-    after = decode_token(token, listing)
-    if after is not None and not (isinstance(after, list) and len(after) == 2):
-        raise InvalidArgument(FieldViolation("page_token", "malformed"))
-    key = (int(after[0]), str(after[1])) if after else None
+    after = _resume_key(token, listing, _approval_key)
+    key = (after[0], after[1]) if isinstance(after, list) else None
     rows = read_model.list_approvals(principal.tenant_id, status, run_id or None, key, limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
