@@ -34,9 +34,10 @@ from tether_messaging.testing import InMemoryDriver
 from tether_messaging.topics import Topics
 from tether_tool_gateway.builtin_tools import http_get_spec, kv_put_spec, send_email_spec
 from tether_tool_gateway.domain.canonical import canonical_json, idem_key_for, sha256_hex
+from tether_tool_gateway.domain.errors import ToolError
 from tether_tool_gateway.domain.policy import TrustPolicy
 from tether_tool_gateway.entrypoint import GatewayProcessor
-from tether_tool_gateway.execution import Completed, Pending, ToolRunner, Unknown, tool_spec_json
+from tether_tool_gateway.execution import Completed, Failed, Pending, ToolRunner, Unknown, tool_spec_json
 from tether_tool_gateway.executors.builtin import BuiltinExecutor
 from tether_tool_gateway.handlers import Deps
 from tether_tool_gateway.ledger import Busy, Execute, Intent, Owner, ResolutionStatus
@@ -71,14 +72,15 @@ def pg(pg_schema):
 
     made: list[tuple[ConnectionPool, ToolRunner]] = []
 
-    def make(owner: Owner, *, lease_ms: int = 30_000, heartbeat_ms: int = 10_000) -> ToolRunner:
+    def make(owner: Owner, *, lease_ms: int = 30_000, heartbeat_ms: int = 10_000,
+             executors: dict | None = None) -> ToolRunner:
         pool = ConnectionPool(pg_schema.base_dsn, min_size=1, max_size=4, open=True)
         ledger = PostgresLedger(pool, schema=pg_schema.name)
         ledger.ensure_schema()
         blobs = PostgresBlobStore(pool, schema=pg_schema.name)
         blobs.ensure_schema()
-        runner = ToolRunner(ledger=ledger, executors={"builtin": BuiltinExecutor()}, blobs=blobs, owner=owner,
-                            lease_ms=lease_ms, heartbeat_ms=heartbeat_ms)
+        runner = ToolRunner(ledger=ledger, executors={"builtin": BuiltinExecutor(), **(executors or {})},
+                            blobs=blobs, owner=owner, lease_ms=lease_ms, heartbeat_ms=heartbeat_ms)
         made.append((pool, runner))
         return runner
 
@@ -184,6 +186,70 @@ def test_two_racing_sweeps_have_one_winner_per_call(pg, kv):
     assert all(isinstance(o, Completed) and not o.replayed for o in done)
     recs = kv.records()
     assert len(recs) == 12 and len(applied(recs)) == 12  # each key written by exactly one winner
+
+
+# -- failure details ---------------------------------------------------------------------------
+class FailsWith:
+    """An executor whose tool fails (after `delay_s`) with the given detail."""
+
+    def __init__(self, detail: str, delay_s: float = 0.0) -> None:
+        self.detail = detail
+        self.delay_s = delay_s
+        self.calls = 0
+
+    def execute(self, request, secrets):
+        self.calls += 1
+        time.sleep(self.delay_s)
+        raise ToolError("TOOL_ERROR", self.detail, retryable=False)
+
+
+# PostgreSQL text holds no NUL, and UTF-8 cannot encode a lone surrogate (a JSON "\ud800" decodes to one).
+@pytest.mark.parametrize("detail,stored", [
+    ("HTTP 500: boom\x00evil", "HTTP 500: boom\\u0000evil"),
+    ("the MCP tool reported an error: \ud800", "the MCP tool reported an error: \ufffd"),
+])
+def test_a_failure_detail_postgres_cannot_store_as_is_resolves_the_call_once_as_failed(pg, detail, stored):
+    failing = FailsWith(detail)
+    runner = pg(GW0, executors={"failing": failing})
+    tool = kv_put_spec("http://127.0.0.1:1").model_copy(update={"executor_kind": "failing"})
+    intent = make_intent(tool, {"key": "k", "value": 1})
+    first = runner.run(intent, tool)
+    assert isinstance(first, Failed) and first.error_code == "TOOL_ERROR" and first.detail == stored
+    again = pg(GW0_REBORN, executors={"failing": failing}).run(intent, tool)
+    assert isinstance(again, Failed) and again.detail == stored
+    assert failing.calls == 1  # resolved once: the replay did not execute again
+    resolution = runner.ledger.get(intent.idem_key).resolution
+    assert resolution.status is ResolutionStatus.FAILED and resolution.detail == stored
+
+
+class Returns:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def execute(self, request, secrets):
+        return self.value
+
+
+def test_a_result_with_a_nul_or_a_lone_surrogate_is_stored_as_json(pg):
+    runner = pg(GW0, executors={"returns": Returns({"a": "x\x00y", "b": "z\ud800"})})
+    tool = kv_put_spec("http://127.0.0.1:1").model_copy(update={"executor_kind": "returns"})
+    intent = make_intent(tool, {"key": "k", "value": 1})
+    outcome = runner.run(intent, tool)
+    assert isinstance(outcome, Completed) and json.loads(outcome.result_json) == {"a": "x\x00y", "b": "z\ufffd"}
+    assert runner.ledger.get(intent.idem_key).resolution.result_json == outcome.result_json
+
+
+def test_a_late_failure_with_nul_is_kept_as_the_late_resolution(pg):
+    runner = pg(GW0, executors={"failing": FailsWith("HTTP 500: boom\x00evil", delay_s=0.5)})
+    tool = send_email_spec("127.0.0.1", 1, "agent@tether.test").model_copy(
+        update={"executor_kind": "failing", "timeout_ms": 100})
+    intent = make_intent(tool, {"to": "ops@example.test", "subject": "s", "body": "b"})
+    outcome = runner.run(intent, tool)
+    assert isinstance(outcome, Failed) and outcome.error_code == "TIMEOUT"
+    deadline = time.monotonic() + 10
+    while (late := runner.ledger.get(intent.idem_key).late_resolution) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert late is not None and late.detail == "HTTP 500: boom\\u0000evil"
 
 
 # -- more of the boundary ---------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
@@ -49,6 +50,8 @@ from tether_tool_gateway.ports import (
 log = structlog.get_logger("tether_tool_gateway.execution")
 
 _DETAIL_MAX = 1000
+_UNSTORABLE = re.compile(r"[\x00\ud800-\udfff]")
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 # -- outcomes ----------------------------------------------------------------------------------
@@ -137,6 +140,10 @@ def outcome_of(call: CallRef, resolution: Resolution, *, replayed: bool) -> Outc
 
 
 def _short(text: str) -> str:
+    """A failure detail fit for the ledger: at most _DETAIL_MAX characters, and storable as
+    PostgreSQL text (no NUL; no lone surrogate, which UTF-8 cannot encode). Every detail that
+    holds text from a tool (its error, a server's body or stderr, an exception) passes here."""
+    text = _UNSTORABLE.sub(lambda m: "\\u0000" if m.group() == "\x00" else "\ufffd", text)
     return text if len(text) <= _DETAIL_MAX else text[: _DETAIL_MAX - 1] + "…"
 
 
@@ -293,7 +300,8 @@ class ToolRunner:
                 late = self._shape(future.result(), tool)
             else:
                 detail = exc.detail if isinstance(exc, ToolError) else f"{type(exc).__name__}: {exc}"
-                late = Resolution(ResolutionStatus.FAILED, error_code=getattr(exc, "code", "TOOL_ERROR"),
+                code = exc.code if isinstance(exc, ToolError) else "TOOL_ERROR"  # another exception's .code is not ours
+                late = Resolution(ResolutionStatus.FAILED, error_code=code,
                                   detail=_short(self._redactor.redact(detail)))
             self.ledger.complete(claim.record.intent.idem_key, claim.token, late)
         except Exception as err:  # best effort: the call's outcome (TIMEOUT) is already recorded
@@ -314,7 +322,9 @@ class ToolRunner:
         except (TypeError, ValueError) as exc:
             return Resolution(ResolutionStatus.FAILED, error_code="INVALID_RESULT",
                               detail=_short(f"the tool's result is not JSON: {exc}"))
-        text = self._redactor.redact(text)
+        # A lone surrogate (a JSON "\ud800" decodes to one) cannot be UTF-8 encoded, nor stored: in
+        # canonical JSON it can only stand inside a string, so U+FFFD keeps the text JSON.
+        text = self._redactor.redact(_LONE_SURROGATE.sub("\ufffd", text))
         data = text.encode("utf-8")
         placement = self._limits.place(len(data))
         if placement is Placement.OVERSIZED:
