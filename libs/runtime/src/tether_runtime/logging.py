@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -34,6 +35,50 @@ def log_redactor() -> Redactor:
     return _LOG_REDACTOR
 
 
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).decode("utf-8", errors="replace")
+    try:
+        if isinstance(value, BaseException):  # its message unescaped, as the redactor must see it
+            message = str(value)
+            return f"{type(value).__name__}: {message}" if message else type(value).__name__
+        return repr(value)
+    except Exception:  # a broken __repr__ must not lose the log line
+        return f"<{type(value).__name__} (unprintable)>"
+
+
+def _printable(value: Any) -> Any:
+    """`value` as the JSON renderer would print it, in types the redactor reads.
+
+    The redactor scans str, dict, list and tuple and passes anything else through untouched;
+    the renderer then prints that thing's repr(), so a secret inside an exception, a set,
+    bytes or any object would be printed after redaction. Turning such values into text
+    first makes the redactor see exactly what gets printed.
+    """
+    if value is None or isinstance(value, str | int | float):  # bool is an int
+        return value
+    if isinstance(value, Mapping):
+        return {k if isinstance(k, str | int | float | bool) or k is None else _as_text(k): _printable(v)
+                for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_printable(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted(_as_text(_printable(v)) for v in value)
+    structlog_form = getattr(type(value), "__structlog__", None)
+    if structlog_form is not None:  # what JSONRenderer prints for it
+        try:
+            return _printable(structlog_form(value))
+        except Exception:
+            pass
+    return _as_text(value)
+
+
+def _printable_fields(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    return {k: _printable(v) for k, v in event.items()}
+
+
 def configure(service: str, level: str = "INFO", *, instance: int | str | None = None) -> None:
     """Send structlog (and stdlib logging) output to stderr as JSON lines with service/instance fields."""
     numeric = _LEVELS.get(level.upper())
@@ -62,6 +107,7 @@ def configure(service: str, level: str = "INFO", *, instance: int | str | None =
             structlog.contextvars.merge_contextvars,
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
+            _printable_fields,
             RedactingProcessor(_LOG_REDACTOR),
             *ours,
             structlog.processors.JSONRenderer(),
@@ -77,6 +123,7 @@ def configure(service: str, level: str = "INFO", *, instance: int | str | None =
             processors=[
                 structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                 structlog.processors.format_exc_info,
+                _printable_fields,
                 RedactingProcessor(_LOG_REDACTOR),
                 *ours,
                 structlog.processors.JSONRenderer(),
