@@ -353,6 +353,40 @@ def test_a_quiet_feed_falls_back_to_the_read_model(world: World) -> None:
     assert [e.seq for e in _stream(world, run_id, 1)] == [1, 2, 3]
 
 
+def test_a_stream_from_past_the_end_ends_when_the_run_finishes_during_it(world: World) -> None:
+    # A 5-event run, still running, watched from seq 10: the feed then shows 4 and 5 (terminal).
+    # Nothing is sent, and the stream ends at once rather than holding its slot until the client leaves.
+    run_id = world.submit()
+    log = _events(run_id, 5, terminal_at=5)
+    world.read_model.add_events("acme", log[:3])
+    world.live.script[run_id] = [[LiveEntry(4, log[3]), LiveEntry(5, log[4])]]
+    assert _stream(world, run_id, 10, active_reads=1000) == []
+    assert world.live.reads == 1
+
+
+def test_a_stream_from_past_the_end_ends_on_a_quiet_feed_once_the_run_has_finished(world: World) -> None:
+    # The terminal event's live publish was lost: a quiet feed re-checks the run itself.
+    run_id = world.submit()
+    log = _events(run_id, 5, terminal_at=5)
+    world.read_model.add_events("acme", log[:3])
+    world.read_model.runs[("acme", run_id)] = RunView(run_id, RunStatus.RUNNING, last_seq=3)
+    world.live.script[run_id] = [[], [], []]
+    original = world.live.read
+
+    def read_then_finish(rid: str, cursor: str, block_ms: int):
+        out = original(rid, cursor, block_ms)
+        if world.live.reads == 2:  # quiet reads while running, then the run completes at seq 5
+            world.read_model.add_events("acme", log[3:])
+            world.read_model.runs[("acme", run_id)] = RunView(run_id, RunStatus.COMPLETED, last_seq=5)
+        return out
+
+    world.live.read = read_then_finish  # type: ignore[method-assign]
+    assert _stream(world, run_id, 10, active_reads=1000) == []
+    assert world.live.reads == 2
+    # An already finished run watched from past its end: no events, at once (as before).
+    assert _stream(world, run_id, 6) == [] and world.live.reads == 2
+
+
 def test_a_gap_the_read_model_never_fills_asks_the_client_to_resume(world: World) -> None:
     run_id = world.submit()
     log = _events(run_id, 5, terminal_at=5)

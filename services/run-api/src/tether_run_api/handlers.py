@@ -524,6 +524,10 @@ def stream_run_events(
     feed makes it re-check the read model, so a lost live publish delays an event but
     never loses it. Raises StreamResumeRequired if a seen seq stays missing from the read
     model (the client resumes from the next seq it is owed).
+
+    A from_seq past the run's last event sends nothing and ends once the run has finished
+    (at once if it already had): when the feed shows the terminal event below from_seq, or
+    when a quiet feed's re-check finds the run finished with its last seq below from_seq.
     """
     principal.require(ROLE_MEMBER)
     if from_seq < 0:
@@ -531,7 +535,11 @@ def stream_run_events(
     tenant = principal.tenant_id
     view = _visible_run(tenant, run_id, read_model, ledger)
     gate = SeqGate(from_seq)
-    if view.status.finished and view.last_seq and gate.next_seq > view.last_seq:
+
+    def past_the_end(run: RunView | None) -> bool:
+        return run is not None and run.status.finished and 0 < run.last_seq < gate.next_seq
+
+    if past_the_end(view):
         return  # resuming after the terminal event: nothing more will come
     cursor = live.position(run_id)
 
@@ -552,11 +560,18 @@ def stream_run_events(
     while not gate.done and is_active():
         entries, cursor = live.read(run_id, cursor, policy.block_ms)
         if not entries:
+            before = gate.next_seq
             yield from catch_up()
+            # Nothing new in the read model either: the run may have ended below from_seq,
+            # its terminal event never shown on the feed (a lost publish), so ask the run.
+            if gate.next_seq == before and past_the_end(read_model.get_run(tenant, run_id)):
+                return
             continue
         for entry in entries:
             offer = gate.offer(entry.seq)
             if offer is Offer.SEEN:
+                if entry.event is not None and entry.event.terminal:
+                    return  # the run ended below from_seq (had it been sent, the gate would be done)
                 continue
             if offer is Offer.AHEAD or entry.event is None:
                 yield from _fill(gate, entry.seq - (0 if entry.event is None else 1), catch_up, policy,
