@@ -208,6 +208,25 @@ def test_a_malformed_limit_of_one_fails_on_the_first_bad_response(make_harness) 
 # -- provider errors -----------------------------------------------------------------------------
 
 
+def test_an_answer_cut_off_at_max_tokens_fails_the_step_and_never_completes_the_run(harness) -> None:
+    h, run = harness, "run-truncated"
+    h.accept(run, "[t:truncated] write the report")
+    out = h.step(run, 1)
+    assert _types(out) == ["ModelCallFailed"]
+    assert out[0].error_code == "MALFORMED_OUTPUT"
+    assert out[0].detail.startswith("truncated: ") and "finish_reason length" in out[0].detail
+    assert out[0].usage.input_tokens == 900 and out[0].usage.output_tokens == 1
+    assert h.metric("tether_planner_steps_total", provider="openai", outcome="MALFORMED_OUTPUT") == 1
+
+
+def test_an_answer_stopped_by_the_content_filter_fails_the_step(harness) -> None:
+    h, run = harness, "run-filtered"
+    h.accept(run, "[t:filtered] write the report")
+    out = h.step(run, 1)
+    assert _types(out) == ["ModelCallFailed"]
+    assert out[0].error_code == "PROVIDER_ERROR" and "content filter" in out[0].detail
+
+
 def test_429_then_500_then_success_is_retried_within_one_model_call(harness) -> None:
     h, run = harness, "run-flaky"
     h.accept(run, "[t:flaky] hello")

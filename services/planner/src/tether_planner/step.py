@@ -19,9 +19,23 @@ from tether_planner.domain.context import for_request
 from tether_planner.domain.messages import ChatMessage, PinnedModel, ToolCallRef, ToolView, UsageTotals
 from tether_planner.domain.provenance import provenance_of
 from tether_planner.domain.tool_results import wrap_tool_result
-from tether_planner.domain.validation import NOT_EXECUTED, CallProblem, RawToolCall, ValidCall, check_calls
+from tether_planner.domain.validation import (
+    NOT_EXECUTED,
+    TRUNCATED,
+    CallProblem,
+    RawToolCall,
+    ValidCall,
+    check_calls,
+)
 from tether_planner.pricing import PricingTable
-from tether_planner.providers.port import ContextOverflow, ModelProvider, ModelRequest, ProviderError
+from tether_planner.providers.port import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    ContextOverflow,
+    ModelProvider,
+    ModelRequest,
+    ProviderError,
+)
 
 log = structlog.get_logger("tether_planner.step")
 
@@ -118,6 +132,12 @@ StepResult = StepSucceeded | StepFailed
 
 def _estimate_output(text: str, calls: Sequence[RawToolCall]) -> int:
     return max(1, math.ceil((len(text) + sum(len(c.name) + len(c.arguments) for c in calls)) / 4))
+
+
+def _excerpt(text: str, max_chars: int = 200) -> str:
+    if not text:
+        return ""
+    return f"; text so far: {text[:max_chars]!r}" + ("…" if len(text) > max_chars else "")
 
 
 def _unique_ids(calls: Sequence[RawToolCall], step: int, model_call: int) -> list[RawToolCall]:
@@ -266,11 +286,42 @@ def run_step(
         tally.latency_ms += response.latency_ms
         tally.priced = tally.priced and cost.priced
 
+        # A response the provider stopped (content filter, refusal) or cut off at max_tokens is not
+        # an answer: a cut-off text would end the run COMPLETED with half an answer, and cut-off
+        # tool calls may carry incomplete arguments. Cut-off calls are repaired like invalid ones
+        # when a new call can get more room; otherwise the step fails.
+        if response.finish_reason == FINISH_ERROR:
+            return failed(
+                PROVIDER_ERROR,
+                "the provider stopped the response (content filter or refusal, finish_reason error)"
+                + _excerpt(response.text),
+            )
+        if response.finish_reason == FINISH_LENGTH and (not calls or request.max_tokens < config.max_output_tokens):
+            limit = "the run's remaining token budget" if request.max_tokens < config.max_output_tokens else (
+                "TETHER_PLANNER_MAX_OUTPUT_TOKENS"
+            )
+            return failed(
+                MALFORMED_OUTPUT,
+                f"truncated: the response was cut off at max_tokens={request.max_tokens} ({limit}), "
+                f"finish_reason length, {'with' if calls else 'no'} tool calls" + _excerpt(response.text),
+            )
+
         if not calls:
             working.append(ChatMessage(role="assistant", content=response.text, step=inp.step))
             return succeeded(response.text, (), response.finish_reason)
 
-        checked = check_calls(calls, inp.tools)
+        if response.finish_reason == FINISH_LENGTH:
+            checked: list[ValidCall | CallProblem] = [
+                CallProblem(
+                    c,
+                    TRUNCATED,
+                    f"the response was cut off at the output limit ({request.max_tokens} tokens); "
+                    "the arguments may be incomplete",
+                )
+                for c in calls
+            ]
+        else:
+            checked = check_calls(calls, inp.tools)
         valid = [c for c in checked if isinstance(c, ValidCall)]
         if len(valid) == len(checked):
             planned = tuple(

@@ -24,6 +24,8 @@ ARGS_NOT_OBJECT = "ARGS_NOT_OBJECT"
 UNKNOWN_TOOL = "UNKNOWN_TOOL"
 INVALID_ARGS = "INVALID_ARGS"
 NOT_EXECUTED = "NOT_EXECUTED"
+#: The response was cut off at max_tokens: none of its calls is executed (arguments may be incomplete).
+TRUNCATED = "TRUNCATED"
 
 _MAX_SCHEMA_ERRORS = 5
 
