@@ -20,6 +20,7 @@ _CONTROL_TOKENS = re.compile(
     r"\[/?(?:TOOL_CALLS|TOOL_RESULTS|AVAILABLE_TOOLS|SYSTEM_PROMPT)\]|</?s>",
     re.IGNORECASE,
 )
+_LONGEST_CONTROL_TOKEN = 44  # "<|" + 40 characters + "|>"
 # Anthropic's legacy turn markers; neutralised rather than removed so the text stays readable.
 _ROLE_MARKERS = re.compile(r"(\r?\n\r?\n)(Human|Assistant|System|User)(\s*):", re.IGNORECASE)
 # ANSI/VT escape sequences: CSI, OSC (terminated by BEL or ST), and two-byte escapes.
@@ -194,7 +195,8 @@ class HeuristicInjectionDetector:
             hit(InjectionFlag.HIDDEN_TEXT, 0.2)
         if comments and any(p.search(_normalise(comments)) for _, _, p in _PHRASES):
             hit(InjectionFlag.HIDDEN_TEXT, 0.4)
-        if _CONTROL_TOKENS.search(text) or _ROLE_MARKERS.search(text):
+        visible = _strip_hidden(text)
+        if any(p.search(t) for p in (_CONTROL_TOKENS, _ROLE_MARKERS) for t in (text, visible)):
             # Chat-template tokens have no business in a web page or a tool result.
             hit(InjectionFlag.CONTROL_TOKENS, 0.5)
 
@@ -207,13 +209,41 @@ class HeuristicInjectionDetector:
         return InjectionReport(score=round(score, 3), flags=flags, suspicious=suspicious)
 
 
+def _strip_hidden(text: str) -> str:
+    """`text` without ANSI escapes, invisible and control characters: what a tokenizer would read."""
+    return _CONTROL_CHARS.sub("", _INVISIBLE.sub("", _ANSI.sub("", text)))
+
+
+def _strip_control_tokens(text: str) -> str:
+    """`text` without control tokens, also those that removing one forms ("<|im_<|x|>start|>" → "<|im_start|>").
+
+    Linear, where substituting until nothing changes is quadratic in the nesting depth: the text
+    between two matches holds no token, so a new one can only straddle the point where the kept
+    text meets the next piece; remove it there and look again.
+    """
+    reach = _LONGEST_CONTROL_TOKEN - 1  # how far a straddling token reaches to either side
+    pieces = _CONTROL_TOKENS.split(text)
+    if len(pieces) == 1:
+        return text
+    kept: list[str] = []  # characters; never holds a token
+    for piece in pieces:
+        start = 0
+        while kept and start < len(piece):
+            tail = "".join(kept[-reach:])
+            token = _CONTROL_TOKENS.search(tail + piece[start:start + reach])
+            if token is None:
+                break
+            del kept[len(kept) - len(tail) + token.start():]
+            start += token.end() - len(tail)
+        kept.extend(piece[start:])
+    return "".join(kept)
+
+
 def sanitize(text: str) -> tuple[str, bool]:
     """Strip control tokens, turn markers, ANSI escapes, invisible and control characters; (text, changed)."""
-    out = _ANSI.sub("", text)
-    out = _CONTROL_TOKENS.sub("", out)
+    # Hidden characters go first: removed later, they would join "<|im_\u200bstart|>" into a token.
+    out = _strip_control_tokens(_strip_hidden(text))
     out = _ROLE_MARKERS.sub(lambda m: f"{m.group(1)}{m.group(2)} (quoted){m.group(3)}-", out)
-    out = _INVISIBLE.sub("", out)
-    out = _CONTROL_CHARS.sub("", out)
     # The content must not be able to close (or open) the envelope it sits in.
     out = _ENVELOPE_TAG_TEXT.sub(lambda m: f"&lt;{m.group(1)}{ENVELOPE_TAG}", out)
     return out, out != text
