@@ -6,6 +6,7 @@ thread. It returns an `Outcome`; the handlers turn outcomes into events.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -20,6 +21,7 @@ import structlog
 
 from tether_contracts.records import BlobRef, ToolSpec
 from tether_messaging.blobstore import BlobStore
+from tether_security.redaction import marker
 from tether_tool_gateway.domain.canonical import canonical_json
 from tether_tool_gateway.domain.errors import ToolError
 from tether_tool_gateway.domain.policy import RateAnswer
@@ -52,6 +54,7 @@ log = structlog.get_logger("tether_tool_gateway.execution")
 _DETAIL_MAX = 1000
 _UNSTORABLE = re.compile(r"[\x00\ud800-\udfff]")
 _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_MARKER = re.compile(r"\[REDACTED:([^\]\s]+)\]")
 
 
 # -- outcomes ----------------------------------------------------------------------------------
@@ -145,6 +148,56 @@ def _short(text: str) -> str:
     holds text from a tool (its error, a server's body or stderr, an exception) passes here."""
     text = _UNSTORABLE.sub(lambda m: "\\u0000" if m.group() == "\x00" else "\ufffd", text)
     return text if len(text) <= _DETAIL_MAX else text[: _DETAIL_MAX - 1] + "…"
+
+
+def redact_result(redactor: Redactor, text: str) -> str:
+    """A result's canonical JSON `text` with secrets redacted, and still JSON (canonical).
+
+    The redactor reads the text as a whole, so it sees a credential by its key (`"token":...`). Its
+    spans can cross JSON syntax, though: a number under a credential key, a PEM key without its END
+    line running to the end of the text. When the redacted text is not JSON, the result is redacted
+    entry by entry instead: keys, and each scalar together with its key, a scalar the redactor
+    changes becoming the redacted string (or a marker string where that is not JSON).
+    """
+    redacted = redactor.redact(text)
+    if redacted == text:
+        return text
+    with contextlib.suppress(ValueError):
+        return canonical_json(json.loads(redacted))
+    shaped = canonical_json(_redact_node(redactor, json.loads(text)))
+    again = redactor.redact(shaped)  # entries read apart may still show a secret read together
+    if again == shaped:
+        return shaped
+    with contextlib.suppress(ValueError):
+        return canonical_json(json.loads(again))
+    return canonical_json(marker("result"))  # fail closed: nothing of the result rather than a secret
+
+
+def _redact_node(redactor: Redactor, node: Any, key: str | None = None) -> Any:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            name = redactor.redact(k)
+            while name in out:  # two keys redacted alike: keep both entries
+                name += "'"
+            out[name] = _redact_node(redactor, v, k)
+        return out
+    if isinstance(node, list):
+        return [_redact_node(redactor, v) for v in node]
+    if isinstance(node, str):
+        node = redactor.redact(node)  # the string itself, its line breaks unescaped
+    entry = canonical_json(node if key is None else {key: node})
+    redacted = redactor.redact(entry)
+    if redacted == entry:
+        return node
+    with contextlib.suppress(ValueError):
+        parsed = json.loads(redacted)
+        if key is None and isinstance(parsed, str):
+            return parsed
+        if key is not None and isinstance(parsed, dict) and len(parsed) == 1:
+            return next(iter(parsed.values()))
+    kind = _MARKER.search(redacted)
+    return marker(kind.group(1) if kind else "credential")
 
 
 def tool_spec_json(tool: ToolSpec) -> str:
@@ -324,7 +377,7 @@ class ToolRunner:
                               detail=_short(f"the tool's result is not JSON: {exc}"))
         # A lone surrogate (a JSON "\ud800" decodes to one) cannot be UTF-8 encoded, nor stored: in
         # canonical JSON it can only stand inside a string, so U+FFFD keeps the text JSON.
-        text = self._redactor.redact(_LONE_SURROGATE.sub("\ufffd", text))
+        text = redact_result(self._redactor, _LONE_SURROGATE.sub("\ufffd", text))
         data = text.encode("utf-8")
         placement = self._limits.place(len(data))
         if placement is Placement.OVERSIZED:
