@@ -23,6 +23,7 @@ from tether_budget.domain.ledger import (
     RunStatus,
     StepEntry,
     ToolFacts,
+    args_hash,
 )
 from tether_budget.domain.loopguard import (
     Detection,
@@ -391,21 +392,14 @@ def _grant_or_stop(ledger: Ledger, now_ms: int, tenant: TenantLedger | None) -> 
     return Plan([Decide(granted, ("StepGranted", step))])
 
 
-def _step_signature(ledger: Ledger) -> StepSignature:
+def _sign_step(ledger: Ledger) -> StepSignature:
+    """The finished step's signature, from the signatures its calls got with their outcomes. The
+    calls drop theirs: the guard's history keeps what later steps are compared with."""
     calls = sorted(ledger.step_calls(), key=lambda c: c.call_index)
-    return StepSignature(
-        step=ledger.step,
-        calls=[
-            call_signature(
-                c.tool_name,
-                c.args_json,
-                observation=c.observation or "",
-                error=c.error,
-                pollable=ledger.tools.get(c.tool_name, ToolFacts()).pollable,
-            )
-            for c in calls
-        ],
-    )
+    signature = StepSignature(step=ledger.step, calls=[c.signature for c in calls])
+    for c in calls:
+        ledger.update_call(c, signature=None)
+    return signature
 
 
 def grant_deferred(ledger: Ledger, tenant: TenantLedger, *, now_ms: int) -> Plan:
@@ -418,7 +412,7 @@ def grant_deferred(ledger: Ledger, tenant: TenantLedger, *, now_ms: int) -> Plan
 def _finish_step(ledger: Ledger, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None) -> Plan:
     """Every call of the step has an outcome: look for a loop, then grant the next step or stop."""
     warned_before = ledger.loop.warned
-    verdict, detection = guard.observe(ledger.loop, _step_signature(ledger))
+    verdict, detection = guard.observe(ledger.loop, _sign_step(ledger))
     if verdict is Verdict.TERMINATE and detection is not None:
         first = f" First warning: {warned_before.summary()}." if warned_before else ""
         detail = f"Loop detected after a warning: {detection.summary()}.{first}"
@@ -506,7 +500,7 @@ def _tool_call_requested(
         raise ProtocolViolation("DUPLICATE_CALL", f"call {call.call_id} was already requested")
     if call.idem_key != idem_key(ledger.run_id, ev.step, call.call_index):
         raise ProtocolViolation("BAD_IDEM_KEY", f"call {call.call_id} idem_key does not match H(run, step, index)")
-    if call.args_hash != hashlib.sha256(call.args_json.encode()).hexdigest():
+    if call.args_hash != args_hash(call.args_json):
         raise ProtocolViolation("BAD_ARGS_HASH", f"call {call.call_id} args_hash is not sha256(args_json)")
 
     entry = CallEntry(
@@ -515,6 +509,7 @@ def _tool_call_requested(
         call_index=call.call_index,
         idem_key=call.idem_key,
         tool_name=call.tool_name,
+        args_hash=call.args_hash,
         args_json=call.args_json,
         status=CallStatus.BUDGETED,
     )
@@ -522,7 +517,7 @@ def _tool_call_requested(
     ledger.calls[call.call_id] = entry
     cur.call_ids.append(call.call_id)
     if breach is not None:
-        ledger.update_call(entry, status=CallStatus.NOT_BUDGETED)
+        ledger.update_call(entry, status=CallStatus.NOT_BUDGETED, args_json=None)
         return Plan([APPEND]).extend(_terminate(ledger, *breach, now_ms))
     ledger.tool_calls_budgeted += 1
     budgeted = ToolCallBudgeted(
@@ -534,17 +529,32 @@ def _tool_call_requested(
 Outcome = ToolCallCompleted | ToolCallFailed | ToolCallDenied
 
 
+def _finish_call(ledger: Ledger, call: CallEntry, status: CallStatus, *, observation: str, error: str | None) -> None:
+    """A call's final outcome. The ledger is checkpointed whole after every record, so the call
+    keeps no text: its arguments go (their hash stays), and `observation` (the result JSON or
+    error text, any size) only goes into the signature its step will be signed with (hashes
+    and excerpts). An ended run signs no more steps."""
+    signature = call_signature(
+        call.tool_name,
+        call.args_json or "",
+        observation=observation,
+        error=error,
+        pollable=ledger.tools.get(call.tool_name, ToolFacts()).pollable,
+    ) if ledger.active else None
+    ledger.update_call(call, status=status, error=error, signature=signature, args_json=None)
+
+
 def _record_outcome(ledger: Ledger, call: CallEntry, ev: Outcome) -> None:
     if isinstance(ev, ToolCallCompleted):
         observation = ev.result_json if ev.result_json is not None else (
             f"blob:{ev.result_ref.sha256}" if ev.result_ref else ""
         )
-        ledger.update_call(call, status=CallStatus.COMPLETED, observation=observation, error=None)
+        _finish_call(ledger, call, CallStatus.COMPLETED, observation=observation, error=None)
     elif isinstance(ev, ToolCallFailed):
-        ledger.update_call(call, status=CallStatus.FAILED, observation=ev.detail, error=ev.error_code)
+        _finish_call(ledger, call, CallStatus.FAILED, observation=ev.detail, error=ev.error_code)
         ledger.last_error = f"{call.call_id} {call.tool_name} failed {ev.error_code}: {ev.detail}"
     else:
-        ledger.update_call(call, status=CallStatus.DENIED, observation=ev.detail, error=f"denied:{ev.reason_code}")
+        _finish_call(ledger, call, CallStatus.DENIED, observation=ev.detail, error=f"denied:{ev.reason_code}")
         ledger.last_error = f"{call.call_id} {call.tool_name} denied {ev.reason_code}: {ev.detail}"
 
 
@@ -594,7 +604,7 @@ def _tool_call_authorized(
 def _check_authorization(call: CallEntry, ev: ToolCallAuthorized) -> None:
     if call.status is not CallStatus.BUDGETED:
         raise ProtocolViolation("UNEXPECTED_AUTHORIZATION", f"call {call.call_id} is {call.status}")
-    if ev.tool_name != call.tool_name or ev.args_hash != hashlib.sha256(call.args_json.encode()).hexdigest():
+    if ev.tool_name != call.tool_name or ev.args_hash != call.args_hash:
         raise ProtocolViolation("AUTHORIZATION_MISMATCH", f"the authorization of {call.call_id} is for another call")
 
 
@@ -602,7 +612,7 @@ def _approval_requested(
     ledger: Ledger, ev: ApprovalRequested, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None
 ) -> Plan:
     call = _call(ledger, ev.step, ev.call_id, ev.idem_key)
-    if ev.args_hash != hashlib.sha256(call.args_json.encode()).hexdigest():
+    if ev.args_hash != call.args_hash:
         raise ProtocolViolation("APPROVAL_MISMATCH", f"approval {ev.approval_id} is bound to other arguments")
     if call.status is CallStatus.BUDGETED:
         status = CallStatus.APPROVAL_PENDING
@@ -622,7 +632,7 @@ def _approval_decided(
         raise ProtocolViolation("UNKNOWN_CALL", f"call {ev.call_id} was never requested")
     if call.approval_id is not None and call.approval_id != ev.approval_id:
         raise ProtocolViolation("APPROVAL_MISMATCH", f"call {call.call_id} awaits approval {call.approval_id}")
-    if ev.args_hash != hashlib.sha256(call.args_json.encode()).hexdigest():
+    if ev.args_hash != call.args_hash:
         raise ProtocolViolation("APPROVAL_MISMATCH", f"approval {ev.approval_id} is bound to other arguments")
     approved = ev.outcome is ApprovalOutcome.APPROVED
     if call.status is CallStatus.APPROVAL_PENDING:
@@ -635,8 +645,8 @@ def _approval_decided(
     # REJECTED stops the run (OUTCOME_UNKNOWN); EXPIRED stops it (APPROVAL_TIMEOUT).
     plan = Plan([APPEND])
     if approved:
-        ledger.update_call(call, status=CallStatus.RESOLVED,
-                           observation=f"outcome unknown; {ev.approver_id} let the run continue: {ev.comment}")
+        _finish_call(ledger, call, CallStatus.RESOLVED, error=call.error,
+                     observation=f"outcome unknown; {ev.approver_id} let the run continue: {ev.comment}")
         if ledger.step_finished():
             plan.extend(_finish_step(ledger, guard, now_ms, tenant))
         return plan

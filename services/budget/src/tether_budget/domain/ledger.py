@@ -11,12 +11,13 @@ it in the same state store under the key `tenant:<tenant_id>` (domain/tenancy.py
 from __future__ import annotations
 
 import copy
+import hashlib
 from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tether_budget.domain.loopguard import LoopGuardState
+from tether_budget.domain.loopguard import CallSignature, LoopGuardState, call_signature
 from tether_contracts.records import Caps, Usage
 
 GENESIS_HASH = "0" * 64  # prev_hash of a run's first event (tether_messaging.chain.GENESIS_HASH)
@@ -84,7 +85,11 @@ class ToolFacts(BaseModel):
 
 class CallEntry(BaseModel):
     """One tool call of the run. Frozen: a change replaces the entry (`Ledger.update_call`), so a
-    working copy of the ledger can share the entries of the committed one."""
+    working copy of the ledger can share the entries of the committed one.
+
+    Sized for a checkpoint written after every record: an entry keeps the call's arguments only
+    while the call is open, and never its result text. A finished call keeps its loop-guard
+    signature (hashes and excerpts of at most `EXCERPT_CHARS`) until its step is signed."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -93,11 +98,61 @@ class CallEntry(BaseModel):
     call_index: int
     idem_key: str
     tool_name: str
-    args_json: str
+    args_hash: str = Field(description="SHA-256 of args_json; approvals and authorizations are bound to it.")
+    args_json: str | None = Field(None, description="Arguments as requested, while the call is open (None after).")
     status: CallStatus
     approval_id: str | None = None
-    observation: str | None = Field(None, description="Result JSON (or error text) as recorded, for signatures.")
+    signature: CallSignature | None = Field(
+        None, description="The finished call's signature (result hashed, not kept), until its step is signed."
+    )
     error: str | None = Field(None, description="Error class: error code, or denied:<reason>.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hash_of_args(cls, data: Any) -> Any:
+        # Written before args_hash was kept: every entry had its args_json.
+        if isinstance(data, dict) and "args_hash" not in data and isinstance(data.get("args_json"), str):
+            data = {**data, "args_hash": args_hash(data["args_json"])}
+        return data
+
+
+def args_hash(args_json: str) -> str:
+    """The hash tool calls carry and approvals are bound to: lowercase hex SHA-256 of args_json."""
+    return hashlib.sha256(args_json.encode()).hexdigest()
+
+
+def _from_full_texts(data: dict[str, Any]) -> dict[str, Any]:
+    """The calls of a checkpoint written before the ledger dropped texts: every call had its
+    args_json, a finished one its `observation` (result JSON or error text). A finished call of
+    a step not yet signed gets the signature its step will be signed with (as `_sign_step`
+    would have made it from those texts); every finished call loses both texts."""
+    # An active run's current step is signed when its last call finishes, and then replaced by
+    # the next step's, unless the next grant waits for the tenant's token rate.
+    current = data.get("current")
+    unsigned = data.get("status", RunStatus.ACTIVE) == RunStatus.ACTIVE and data.get("deferred_step") is None
+    current_ids = current.get("call_ids", []) if isinstance(current, dict) and unsigned else []
+    tools = data.get("tools") or {}
+
+    def pollable(tool_name: str) -> bool:
+        facts = tools.get(tool_name)
+        return bool(facts.get("pollable")) if isinstance(facts, dict) else getattr(facts, "pollable", False)
+
+    calls = {}
+    for call_id, call in data["calls"].items():
+        if isinstance(call, dict) and ("observation" in call or "args_hash" not in call):
+            call = dict(call)
+            observation = call.pop("observation", None)
+            args = call.get("args_json")
+            if call.get("status") in TERMINAL | NEVER_RAN and isinstance(args, str):
+                call["args_json"] = None
+                call.setdefault("args_hash", args_hash(args))
+                if call["status"] in TERMINAL and call_id in current_ids and call.get("signature") is None:
+                    call["signature"] = call_signature(
+                        call["tool_name"], args, observation=observation or "", error=call.get("error"),
+                        pollable=pollable(call["tool_name"]),
+                    )
+        calls[call_id] = call
+    return calls
 
 
 class StepEntry(BaseModel):
@@ -166,6 +221,14 @@ class Ledger(BaseModel):
         if isinstance(data, dict) and "holds_tenant_slot" not in data:
             data = {**data, "holds_tenant_slot": bool(data.get("tenant_tracked"))
                     and data.get("status", RunStatus.ACTIVE) == RunStatus.ACTIVE}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_without_texts(cls, data: Any) -> Any:
+        # Written before finished calls dropped their texts (a ledger could outgrow a message).
+        if isinstance(data, dict) and isinstance(data.get("calls"), dict):
+            data = {**data, "calls": _from_full_texts(data)}
         return data
 
     # -- copies -----------------------------------------------------------------------------
