@@ -153,6 +153,31 @@ def test_a_clean_log_verifies():
     assert [type(open_payload(e)).__name__ for e in s.log][:3] == ["RunAccepted", "StepGranted", "ModelCallCompleted"]
 
 
+def test_a_run_asked_for_that_the_log_does_not_hold_is_a_mismatch():
+    absent = "01HZZZZZZZZZZZZZZZZZZZZZZZ"
+    report = verify_log([], run_ids={absent})
+    assert not report.ok and report.absent_runs == [absent]
+    assert [(f.check, f.run_id) for f in report.mismatches] == [("absent", absent)]
+    assert report.to_json()["absent"] == [absent] and "MISMATCH absent" in render_text(report)
+    # Asked for with a run that is there: only the missing one fails.
+    both = verify_log(clean_run().log, run_ids={RUN, absent})
+    assert both.runs == 1 and [(f.check, f.run_id) for f in both.mismatches] == [("absent", absent)]
+
+
+def test_a_run_without_a_terminal_event_is_reported_open_not_as_a_failure():
+    log = clean_run().log
+    assert verify_log(log).open_runs == [] and verify_log(log).to_json()["open"] == []
+    # Cut after its last StepGranted: every decision still follows, so only the missing
+    # terminal event shows; live or cut off, the log alone cannot tell (docs/audit.md).
+    cut = max(i for i, e in enumerate(log) if e.event_type == StepGranted.AVRO_NAME) + 1
+    report = verify_log(log[:cut])
+    assert report.ok, render_text(report)
+    assert report.open_runs == [RUN] and report.to_json()["open"] == [RUN]
+    [note] = [f for f in report.findings if f.check == "note"]
+    assert note.seq == log[cut - 1].seq and "no terminal event" in note.problem
+    assert "1 open (no terminal event): OK" in render_text(report)
+
+
 def test_a_changed_payload_without_a_new_chain_is_a_chain_problem():
     log = clean_run().log
     i = next(i for i, e in enumerate(log) if e.event_type == StepGranted.AVRO_NAME)
@@ -314,6 +339,13 @@ def test_cli_reads_the_log_from_kafka_and_exits_non_zero_on_a_mismatch(kafka_boo
         only_clean = CliRunner().invoke(cli.app, ["audit", "verify", "--bootstrap", kafka_bootstrap,
                                                   "--topic-prefix", prefix, "--run", RUN])
         assert only_clean.exit_code == 0, only_clean.output
+        # A run id the log does not hold (a typo, a deleted run) fails, machine-readably.
+        typo = CliRunner().invoke(cli.app, ["audit", "verify", "--bootstrap", kafka_bootstrap,
+                                            "--topic-prefix", prefix, "--run", RUN, "--run", "run-audit-9", "--json"])
+        assert typo.exit_code == 3, typo.output
+        report = json.loads(typo.stdout)
+        assert report["ok"] is False and report["absent"] == ["run-audit-9"] and report["runs"] == 1
+        assert [(m["check"], m["run_id"]) for m in report["mismatches"]] == [("absent", "run-audit-9")]
     finally:
         admin.delete_topics([topic])
 

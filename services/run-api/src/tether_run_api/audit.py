@@ -30,6 +30,7 @@ from tether_contracts.records import (
     CancelRun,
     Envelope,
     RunAccepted,
+    RunCompleted,
     RunQueued,
     RunRejected,
     RunTerminated,
@@ -48,11 +49,12 @@ BUDGET = "budget"
 _CANCELLED = re.compile(r"^cancelled by (?P<who>\S+) \((?:the submitter|a member of the tenant)\)(?:: (?P<why>.*))?$",
                         re.DOTALL)
 _TENANT_DECISIONS = (RunQueued, StepDeferred)
+_TERMINAL = (RunCompleted, RunTerminated, RunRejected)
 
 
 @dataclass(frozen=True)
 class Finding:
-    """One thing the audit found: a mismatch (`check` chain/budget/gateway/approval/log) or a note."""
+    """One thing the audit found: a mismatch (`check` chain/budget/gateway/approval/log/absent) or a note."""
 
     check: str
     run_id: str
@@ -68,6 +70,10 @@ class AuditReport:
     runs: int = 0
     events: int = 0
     findings: list[Finding] = field(default_factory=list)
+    #: Runs in the log without a terminal event: live, or cut off (the log alone cannot tell).
+    open_runs: list[str] = field(default_factory=list)
+    #: Runs asked for (`run_ids`) of which the log has no event: a mismatch each.
+    absent_runs: list[str] = field(default_factory=list)
 
     @property
     def mismatches(self) -> list[Finding]:
@@ -80,7 +86,8 @@ class AuditReport:
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "runs": self.runs, "events": self.events,
                 "mismatches": [asdict(f) for f in self.mismatches],
-                "notes": [asdict(f) for f in self.findings if f.check == "note"]}
+                "notes": [asdict(f) for f in self.findings if f.check == "note"],
+                "open": list(self.open_runs), "absent": list(self.absent_runs)}
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,12 @@ Event = tuple[Envelope, AvroRecord]
 
 def verify_log(envelopes: Iterable[Envelope], config: AuditConfig | None = None, *,
                run_ids: set[str] | None = None) -> AuditReport:
-    """Check every run in the log (or only `run_ids`): chain, budget, gateway and approval decisions."""
+    """Check every run in the log (or only `run_ids`): chain, budget, gateway and approval decisions.
+
+    A run of `run_ids` with no event in the log is a mismatch (check "absent"): a typo or a
+    deleted run must not pass. A run without a terminal event is listed in `open_runs` with a
+    note: it may be live; a tail cut off after any event is not detectable from the log alone.
+    """
     config = config or AuditConfig()
     report = AuditReport()
     by_run: dict[str, list[Envelope]] = defaultdict(list)
@@ -132,6 +144,17 @@ def verify_log(envelopes: Iterable[Envelope], config: AuditConfig | None = None,
         for m in GatewayAudit(policies, allow_version=allow_version).check(events):
             report.findings.append(Finding("gateway", m.run_id, m.seq, m.event_type, f"{m.call_id}: {m.problem}"))
         report.findings.extend(check_approvals(run_id, events, config.approval))
+        if not any(isinstance(payload, _TERMINAL) for _, payload in events):
+            last = max(envs, key=lambda e: e.seq or 0)
+            report.open_runs.append(run_id)
+            report.findings.append(Finding(
+                "note", run_id, last.seq, last.event_type,
+                "no terminal event: the run may still be live, or the log's tail of it is cut off "
+                "(not detectable from the log; compare with the read model's last_seq)"))
+    for run_id in sorted((run_ids or set()) - by_run.keys()):
+        report.absent_runs.append(run_id)
+        report.findings.append(Finding("absent", run_id, None, "",
+                                       "no event of this run in the log (a wrong run id, or its events are gone)"))
     return report
 
 
@@ -340,7 +363,8 @@ def read_run_log(bootstrap: str, topic: str, *, schema_registry_url: str | None 
 def render_text(report: AuditReport) -> str:
     """The human report: a summary line, then one line per mismatch and note."""
     verdict = "OK" if report.ok else f"{len(report.mismatches)} MISMATCH(ES)"
-    lines = [f"audit: {report.runs} run(s), {report.events} event(s): {verdict}"]
+    still_open = f", {len(report.open_runs)} open (no terminal event)" if report.open_runs else ""
+    lines = [f"audit: {report.runs} run(s), {report.events} event(s){still_open}: {verdict}"]
     for f in report.findings:
         tag = "note" if f.check == "note" else f"MISMATCH {f.check}"
         lines.append(f"  {tag} run={f.run_id} seq={f.seq} {f.event_type}: {f.problem}")
