@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tether_security.redaction import Redactor
+from tether_security.redaction import MIN_SECRET_LENGTH, Redactor
 from tether_security.secrets import (
     EnvSecretProvider,
     FileSecretProvider,
@@ -17,6 +17,7 @@ from tether_security.secrets import (
     SecretNotFound,
     SecretProvider,
     SecretRegistry,
+    SecretTooShort,
     StaticSecretProvider,
     handle,
     secret_name,
@@ -135,3 +136,25 @@ def test_registry_preload_registers_everything_at_once() -> None:
     registry.preload(["a", "secret://b"])
     assert redactor.secret_count == 2
     assert redactor.redact("alpha-value-1 bravo-value-2") == "[REDACTED:secret] [REDACTED:secret]"
+
+
+@pytest.mark.parametrize("short", ["48213", "  4821 \n", "x"])
+def test_registry_refuses_a_secret_too_short_to_redact(short: str) -> None:
+    redactor = Redactor(patterns=False, entropy=False)
+    registry = SecretRegistry(StaticSecretProvider({"pin": short, "ok": "correct-horse-battery"}), redactor)
+    with pytest.raises(SecretTooShort) as refused:
+        registry.resolve("secret://pin")
+    err = refused.value
+    assert isinstance(err, SecretNotFound)  # refused wherever a missing secret is
+    assert err.code == "SECRET_TOO_SHORT" and err.name == "pin" and err.min_length == MIN_SECRET_LENGTH
+    assert short.strip() not in str(err) and short.strip() not in repr(err.args)
+    assert registry.resolved_names() == frozenset() and redactor.secret_count == 0
+    # preload registers what it can, then refuses the short one the same way.
+    with pytest.raises(SecretTooShort) as preloaded:
+        registry.preload(["ok", "pin"])
+    assert preloaded.value.name == "pin" and short.strip() not in str(preloaded.value)
+    assert registry.resolved_names() == frozenset({"ok"}) and redactor.secret_count == 1
+    assert registry.resolve("ok") == "correct-horse-battery"
+    # The limit is the redactor's own.
+    lenient = SecretRegistry(StaticSecretProvider({"pin": "48213"}), Redactor(min_secret_length=4))
+    assert lenient.resolve("pin") == "48213"

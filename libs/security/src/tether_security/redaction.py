@@ -233,6 +233,15 @@ class Redactor:
         """How many distinct secret values are registered."""
         return len(self._values)
 
+    @property
+    def min_secret_length(self) -> int:
+        """The shortest value (after stripping surrounding whitespace) `add_secret` accepts."""
+        return self._min_secret_length
+
+    def accepts(self, value: str) -> bool:
+        """Whether `add_secret` would register `value` (it is long enough to redact)."""
+        return len(value.strip()) >= self._min_secret_length
+
     def add_secret(self, value: str) -> bool:
         """Register a secret value and its derived forms. False (and nothing registered) if it is too short.
 
@@ -247,7 +256,7 @@ class Redactor:
         for value in values:
             if not isinstance(value, str):
                 raise TypeError("secret values are str")
-            if len(value.strip()) >= self._min_secret_length:
+            if self.accepts(value):
                 accepted.append(value)
         with self._lock:
             new = [v for v in accepted if v not in self._values]

@@ -22,9 +22,28 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(?:/[A-Za-z0-9][A-Za-z0-9_.-]*)*
 class SecretNotFound(LookupError):
     """No secret of that name exists in the provider. Carries the name, never a value."""
 
+    code = "SECRET_NOT_FOUND"
+
     def __init__(self, name: str, where: str = "") -> None:
         super().__init__(f"secret {name!r} not found" + (f" in {where}" if where else ""))
         self.name = name
+
+
+class SecretTooShort(SecretNotFound):
+    """The secret exists but its value is too short for the redactor, so it is not handed out.
+
+    A value the redactor cannot scrub would reach events and logs if a tool echoed it. A
+    SecretNotFound, so whoever refuses a call for a missing secret refuses it for this one too.
+    Carries the name and the minimum length, never the value (nor its length).
+    """
+
+    code = "SECRET_TOO_SHORT"
+
+    def __init__(self, name: str, min_length: int) -> None:
+        LookupError.__init__(self, f"secret {name!r} is refused: a value shorter than {min_length} characters "
+                                   "cannot be redacted")
+        self.name = name
+        self.min_length = min_length
 
 
 class InvalidSecretName(ValueError):
@@ -188,21 +207,31 @@ class SecretRegistry:
         return self._redactor
 
     def resolve(self, name_or_handle: str) -> str:
-        """The value of a secret name or `secret://` handle, registered for redaction before it is returned."""
+        """The value of a secret name or `secret://` handle, registered for redaction before it is returned.
+
+        Raises SecretNotFound, or SecretTooShort for a value the redactor refuses (shorter than
+        its `min_secret_length`): a secret that cannot be redacted is never handed out."""
         name = secret_name(name_or_handle)
         value = self._provider.resolve(name)
-        self._redactor.add_secret(value)
+        if not self._redactor.add_secret(value):
+            raise SecretTooShort(name, self._redactor.min_secret_length)
         with self._lock:
             self._resolved.add(name)
         return value
 
     def preload(self, names: Iterable[str]) -> None:
         """Resolve and register secrets up front (e.g. every secret a run's tools may use), so redaction
-        covers them even in output produced before their first explicit use."""
+        covers them even in output produced before their first explicit use.
+
+        The values the redactor accepts are registered; then SecretTooShort names the first it refused."""
         resolved = {secret_name(n): self._provider.resolve(secret_name(n)) for n in names}
-        self._redactor.add_secrets(resolved.values())
+        accepted = {name: value for name, value in resolved.items() if self._redactor.accepts(value)}
+        self._redactor.add_secrets(accepted.values())
         with self._lock:
-            self._resolved |= set(resolved)
+            self._resolved |= set(accepted)
+        refused = [name for name in resolved if name not in accepted]
+        if refused:
+            raise SecretTooShort(refused[0], self._redactor.min_secret_length)
 
     def resolved_names(self) -> frozenset[str]:
         """Names resolved so far (never values): for audit records."""
