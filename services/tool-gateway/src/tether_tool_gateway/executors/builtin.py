@@ -9,6 +9,7 @@ import re
 import smtplib
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from email.message import EmailMessage
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -134,6 +135,7 @@ def http_get(request: ExecutionRequest, config: dict[str, Any], secrets: SecretP
         raise EgressDenied(url.host)
     origin = (url.scheme, url.host.lower(), url.port)
     headers = _headers(config, secrets)
+    deadline = time.monotonic() + request.timeout_s
     with httpx.Client(timeout=_timeout(request), follow_redirects=False, trust_env=False, verify=_tls(),
                       headers=headers) as client:
         for _ in range(MAX_REDIRECTS + 1):
@@ -146,17 +148,24 @@ def http_get(request: ExecutionRequest, config: dict[str, Any], secrets: SecretP
                             return _page(url, response, b"", False, redirect_not_followed=str(target))
                         url = target
                         continue
-                    body, truncated = _read_capped(response, max_body)
+                    body, truncated = _read_capped(response, max_body, deadline)
                     return _page(url, response, body, truncated)
             except httpx.HTTPError as exc:
                 raise _transport_error(exc) from exc
     raise ToolError("TOOL_ERROR", f"more than {MAX_REDIRECTS} redirects")
 
 
-def _read_capped(response: httpx.Response, max_body: int) -> tuple[bytes, bool]:
+def _read_capped(response: httpx.Response, max_body: int, deadline: float) -> tuple[bytes, bool]:
+    """The body up to `max_body` bytes (and whether it was cut); TIMEOUT once time.monotonic()
+    passes `deadline`: httpx's read timeout is per chunk, so a server dripping bytes would
+    otherwise hold the execution thread for as long as it likes."""
     chunks: list[bytes] = []
     size = 0
     for chunk in response.iter_bytes():
+        if time.monotonic() > deadline:
+            response.close()
+            raise ToolError("TIMEOUT", "the page did not arrive in time (the server was still sending)",
+                            retryable=True)
         chunks.append(chunk)
         size += len(chunk)
         if size > max_body:

@@ -70,14 +70,20 @@ def _short_body(data: bytes) -> str:
     return text + ("…" if len(data) > _DETAIL_BODY else "")
 
 
-def _read_capped(response: httpx.Response, cap: int) -> bytes:
-    """The body, read as a stream; stops reading (and fails) as soon as it passes `cap` bytes."""
+def _read_capped(response: httpx.Response, cap: int, deadline: float) -> bytes:
+    """The body, read as a stream; stops reading (and fails) as soon as it passes `cap` bytes, or
+    with TIMEOUT once time.monotonic() passes `deadline`: httpx's read timeout is per chunk, so a
+    service dripping bytes would otherwise hold the execution thread for as long as it likes."""
     declared = response.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
         raise ToolError("OVERSIZED_RESULT", f"the tool service announced {declared} bytes; the limit is {cap}")
     size = 0
     chunks: list[bytes] = []
     for chunk in response.iter_bytes():
+        if time.monotonic() > deadline:
+            response.close()
+            raise ToolError("TIMEOUT", "the tool service's answer did not arrive in time (still sending)",
+                            retryable=True)
         size += len(chunk)
         if size > cap:
             raise ToolError("OVERSIZED_RESULT", f"the tool service sent more than {cap} bytes")
@@ -118,7 +124,7 @@ class HttpToolExecutor:
             if left <= 0:
                 raise ToolError("TIMEOUT", f"no time left within the tool's {request.tool.timeout_ms} ms")
             timeout = min(left, attempt_cap / 1000) if attempt_cap else left
-            return self._post(url, body, headers, cap, timeout, allow)
+            return self._post(url, body, headers, cap, timeout, allow, time.monotonic() + timeout)
 
         retrying = Retrying(
             stop=stop_after_attempt(max(1, attempts)) | stop_after_delay(max(0.0, request.timeout_s - 1)),
@@ -130,7 +136,7 @@ class HttpToolExecutor:
         return retrying(attempt)
 
     def _post(self, url: httpx.URL, body: bytes, headers: dict[str, str], cap: int, timeout: float,
-              allow: set[str]) -> Any:
+              allow: set[str], deadline: float) -> Any:
         try:
             with httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=False, trust_env=False,
                               verify=_tls()) as client:
@@ -143,7 +149,7 @@ class HttpToolExecutor:
                                else "redirects are not followed")
                         raise ToolError("TOOL_ERROR", f"the tool service redirected to {location!r}: refused "
                                                       f"({why})", retryable=False)
-                    data = _read_capped(response, cap)
+                    data = _read_capped(response, cap, deadline)
                     status = response.status_code
         except httpx.TimeoutException as exc:
             raise ToolError("TIMEOUT", f"the tool service did not answer in time ({type(exc).__name__})",
