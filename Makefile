@@ -15,6 +15,9 @@ export TETHER_REDIS_PORT ?= 6379
 export TETHER_KAFKA_BOOTSTRAP ?= 127.0.0.1:$(TETHER_KAFKA_PORT)
 export TETHER_PG_DSN ?= postgresql://tether@127.0.0.1:$(TETHER_PG_PORT)/tether
 export TETHER_REDIS_URL ?= redis://127.0.0.1:$(TETHER_REDIS_PORT)/0
+# The local stack runs one broker, so every topic the services and tests declare has one replica
+# (services default to 3, for a production cluster: docs/configuration.md).
+export TETHER_TOPIC_REPLICATION_FACTOR ?= 1
 
 PYTHON3 ?= python3
 STACK := $(PYTHON3) $(ROOT)/deploy/local/stack.py

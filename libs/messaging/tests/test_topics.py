@@ -1,12 +1,16 @@
-"""Topic declaration: names under a prefix, configs per docs/architecture.md, idempotent, partition check."""
+"""Topic declaration: names under a prefix, configs per docs/architecture.md, idempotent, partition and replica checks."""
 
 from __future__ import annotations
 
-import pytest
-from confluent_kafka.admin import AdminClient, ConfigResource
+from types import SimpleNamespace
 
-from tether_messaging import topics as names
-from tether_messaging.admin import PartitionCountMismatch, declare_specs, declare_topics
+import pytest
+import structlog
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+
+from tether_messaging import admin as admin_module, topics as names
+from tether_messaging.admin import PartitionCountMismatch, TopicDeclarationFailed, declare_specs, declare_topics
 from tether_messaging.topics import Topics, TopicSpec
 
 
@@ -61,3 +65,95 @@ def test_a_topic_with_another_partition_count_is_reported(kafka_bootstrap: str, 
         declare_topics(kafka_bootstrap, 6, [], prefix=topic_prefix)
     assert (info.value.topic, info.value.expected, info.value.actual) == (t.run_events, 6, 3)
     assert "TETHER_PARTITIONS=6" in str(info.value)
+
+
+class _Done:
+    def __init__(self, error: KafkaError | None = None) -> None:
+        self._error = error
+
+    def result(self, timeout: float | None = None) -> None:
+        if self._error is not None:
+            raise KafkaException(self._error)
+
+
+class _FakeAdmin:
+    """Records the NewTopic specs; topics in `existing` answer TOPIC_ALREADY_EXISTS with `existing_replicas`."""
+
+    def __init__(self, partitions: int, existing: set[str] = frozenset(), existing_replicas: int = 1) -> None:
+        self.requested: list[NewTopic] = []
+        self.partitions = partitions
+        self.existing = existing
+        self.existing_replicas = existing_replicas
+        self.replicas: dict[str, int] = {}
+
+    def create_topics(self, new: list[NewTopic], request_timeout: float) -> dict[str, _Done]:
+        self.requested.extend(new)
+        futures = {}
+        for topic in new:
+            if topic.topic in self.existing:
+                futures[topic.topic] = _Done(KafkaError(KafkaError.TOPIC_ALREADY_EXISTS))
+                self.replicas[topic.topic] = self.existing_replicas
+            else:
+                futures[topic.topic] = _Done()
+                self.replicas[topic.topic] = topic.replication_factor
+        return futures
+
+    def list_topics(self, timeout: float) -> SimpleNamespace:
+        def partition() -> SimpleNamespace:
+            return SimpleNamespace(replicas=list(range(self.replicas[name])))
+
+        topics = {}
+        for name in self.replicas:
+            topics[name] = SimpleNamespace(error=None, partitions={p: partition() for p in range(self.partitions)})
+        return SimpleNamespace(topics=topics)
+
+
+def _fake_admin(monkeypatch: pytest.MonkeyPatch, fake: _FakeAdmin) -> None:
+    monkeypatch.setattr(admin_module, "AdminClient", lambda conf: fake)
+
+
+@pytest.mark.parametrize(("replication_factor", "min_isr"), [(1, "1"), (2, "1"), (3, "2"), (5, "2")])
+def test_the_replication_factor_and_min_insync_reach_every_new_topic(
+    monkeypatch: pytest.MonkeyPatch, replication_factor: int, min_isr: str
+) -> None:
+    fake = _FakeAdmin(partitions=4)
+    _fake_admin(monkeypatch, fake)
+    created = declare_topics("kafka:9092", 4, ["budget"], replication_factor=replication_factor)
+    assert len(created) == len(fake.requested) == 5
+    for topic in fake.requested:
+        assert topic.replication_factor == replication_factor
+        assert topic.config["min.insync.replicas"] == min_isr
+    run_events = next(t for t in fake.requested if t.topic == names.RUN_EVENTS)
+    assert run_events.config["retention.ms"] == "-1"  # the topic's own configs stay
+
+
+def test_an_existing_topic_with_another_replication_factor_is_logged_not_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = _FakeAdmin(partitions=6, existing={names.RUN_EVENTS}, existing_replicas=1)
+    _fake_admin(monkeypatch, fake)
+    with structlog.testing.capture_logs() as logs:
+        created = declare_topics("kafka:9092", 6, [], replication_factor=3)
+    assert names.RUN_EVENTS not in created
+    warnings = [e for e in logs if e["event"] == "topic_replication_factor_differs"]
+    assert warnings == [{"event": "topic_replication_factor_differs", "log_level": "warning",
+                         "topic": names.RUN_EVENTS, "expected": 3, "actual": [1]}]
+
+
+@pytest.mark.integration
+def test_more_replicas_than_brokers_is_refused_with_the_setting_named(kafka_bootstrap: str, topic_prefix: str) -> None:
+    brokers = len(AdminClient({"bootstrap.servers": kafka_bootstrap}).list_topics(timeout=30).brokers)
+    with pytest.raises(TopicDeclarationFailed, match="TETHER_TOPIC_REPLICATION_FACTOR"):
+        declare_topics(kafka_bootstrap, 2, [], prefix=topic_prefix, replication_factor=brokers + 1)
+
+
+@pytest.mark.integration
+def test_redeclaring_with_another_replication_factor_keeps_the_topic(kafka_bootstrap: str, topic_prefix: str) -> None:
+    t = Topics(topic_prefix)
+    declare_topics(kafka_bootstrap, 2, [], prefix=topic_prefix, replication_factor=1)
+    with structlog.testing.capture_logs() as logs:
+        assert declare_topics(kafka_bootstrap, 2, [], prefix=topic_prefix, replication_factor=3) == []
+    differs = {e["topic"] for e in logs if e["event"] == "topic_replication_factor_differs"}
+    assert differs == {t.commands, t.run_intake, t.run_events, t.dead_letters}
+    md = AdminClient({"bootstrap.servers": kafka_bootstrap}).list_topics(timeout=30)
+    assert {len(p.replicas) for p in md.topics[t.run_events].partitions.values()} == {1}

@@ -35,6 +35,17 @@ class TopicDeclarationFailed(Exception):
     """The broker refused to create a topic."""
 
 
+def min_insync_replicas(replication_factor: int) -> int:
+    """The `min.insync.replicas` Tether's topics get: all replicas but one, at most 2, at least 1.
+
+    With acks=all a write then survives the loss of every in-sync replica but one, and one broker
+    may be down (a rolling restart, a failed node) without stopping writes: RF 3 → 2 (the usual
+    production pairing), RF 2 → 1 (writes go on while one broker restarts), RF 1 → 1 (one broker,
+    the local stack). Never `replication_factor` itself: any broker down would stop the run loop.
+    """
+    return max(1, min(2, replication_factor - 1))
+
+
 def declare_topics(
     bootstrap: str,
     partitions: int,
@@ -46,8 +57,14 @@ def declare_topics(
 ) -> list[str]:
     """Create every Tether topic (shared topics + one changelog per service) if missing.
 
+    Services pass their `TETHER_TOPIC_REPLICATION_FACTOR` (default 3); the default of 1 here is
+    for tests and tools on the single-broker local stack. Each topic gets
+    `min.insync.replicas = min_insync_replicas(replication_factor)`.
+
     Idempotent: existing topics are checked, not changed. Raises `PartitionCountMismatch`
-    if an existing topic's partition count differs. Returns the names created now.
+    if an existing topic's partition count differs; an existing topic with another replication
+    factor is logged (`topic_replication_factor_differs`) and left as it is (reassigning replicas
+    is an operator's decision: kafka-reassign-partitions). Returns the names created now.
     """
     return declare_specs(
         bootstrap,
@@ -69,8 +86,7 @@ def declare_specs(
     """Create the given topics if missing and verify all of them have `partitions` partitions."""
     specs = list(specs)
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    # A write needs all replicas but one on a multi-broker cluster; a single node has only one.
-    min_isr = str(max(1, min(2, replication_factor - 1)))
+    min_isr = str(min_insync_replicas(replication_factor))
     new = [
         NewTopic(
             s.name,
@@ -85,9 +101,16 @@ def declare_specs(
         try:
             fut.result(timeout=timeout_s)
             created.append(name)
-            log.info("topic_created", topic=name, partitions=partitions)
+            log.info("topic_created", topic=name, partitions=partitions, replication_factor=replication_factor,
+                     min_insync_replicas=min_isr)
         except KafkaException as exc:
-            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+            code = exc.args[0].code()
+            if code == KafkaError.INVALID_REPLICATION_FACTOR:
+                raise TopicDeclarationFailed(
+                    f"creating {name!r} with replication factor {replication_factor}: {exc.args[0].str()} "
+                    "(TETHER_TOPIC_REPLICATION_FACTOR must not exceed the number of brokers)"
+                ) from exc
+            if code != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise TopicDeclarationFailed(f"creating {name!r}: {exc.args[0].str()}") from exc
     deadline = time.monotonic() + timeout_s
     while True:
@@ -103,4 +126,10 @@ def declare_specs(
         actual = len(md.topics[s.name].partitions)
         if actual != partitions:
             raise PartitionCountMismatch(s.name, partitions, actual)
+        replicas = {len(p.replicas) for p in md.topics[s.name].partitions.values()}
+        if replicas != {replication_factor}:
+            # Not changed here: moving replicas is a reassignment for an operator to plan, and a
+            # deployment with fewer replicas than asked is still one that works.
+            log.warning("topic_replication_factor_differs", topic=s.name, expected=replication_factor,
+                        actual=sorted(replicas))
     return created

@@ -16,7 +16,8 @@ class ServiceSettings(BaseSettings):
     """Base class of a service's settings (its composition root reads exactly one of these).
 
     Shared infrastructure fields come from fixed names (``TETHER_KAFKA_BOOTSTRAP``,
-    ``TETHER_PG_DSN``, ``TETHER_REDIS_URL``, ``TETHER_PARTITIONS``, ``TETHER_TOPIC_PREFIX``).
+    ``TETHER_PG_DSN``, ``TETHER_REDIS_URL``, ``TETHER_PARTITIONS``, ``TETHER_TOPIC_PREFIX``,
+    ``TETHER_TOPIC_REPLICATION_FACTOR``).
     Every other field is read under the subclass's own prefix, e.g. a subclass with
     ``model_config = SettingsConfigDict(env_prefix="TETHER_BUDGET_")`` reads
     ``TETHER_BUDGET_INSTANCE_ID``. See docs/configuration.md.
@@ -41,6 +42,14 @@ class ServiceSettings(BaseSettings):
         "",
         validation_alias=_infra("TETHER_TOPIC_PREFIX"),
         description="Prepended to every topic, consumer group and transactional id (isolates tests).",
+    )
+    topic_replication_factor: int = Field(
+        3,
+        ge=1,
+        validation_alias=_infra("TETHER_TOPIC_REPLICATION_FACTOR"),
+        description="Replication factor of the topics a service declares (min.insync.replicas is all replicas but "
+        "one, at most 2, at least 1). At most the broker count: the single-broker local stack uses 1. An existing "
+        "topic with another factor is logged, not changed.",
     )
 
     # -- per service (under the subclass's env prefix) --------------------------------------

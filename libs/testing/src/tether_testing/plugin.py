@@ -69,9 +69,13 @@ def _resolve(what: str, get: Callable[[], str]) -> str:
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap(tether_stack: Stack, _tether_env: pytest.MonkeyPatch) -> str:
-    """Bootstrap servers of a Kafka broker that answers (also exported as TETHER_KAFKA_BOOTSTRAP)."""
+    """Bootstrap servers of a Kafka broker that answers (also exported as TETHER_KAFKA_BOOTSTRAP, with
+    TETHER_TOPIC_REPLICATION_FACTOR=1 unless set)."""
     address = _resolve("Kafka", tether_stack.kafka)
     _tether_env.setenv("TETHER_KAFKA_BOOTSTRAP", address)
+    # The local stack and the testcontainers one run a single broker: service processes a test
+    # starts declare their topics with one replica (services default to 3) unless told otherwise.
+    _tether_env.setenv("TETHER_TOPIC_REPLICATION_FACTOR", os.environ.get("TETHER_TOPIC_REPLICATION_FACTOR", "1"))
     return address
 
 

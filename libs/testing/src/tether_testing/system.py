@@ -105,6 +105,8 @@ class SystemConfig:
     #: None: a fresh `e2e_<hex>`. "": the production names (topics unprefixed, schema `run_api` ...).
     namespace: str | None = None
     partitions: int = 6
+    #: Replicas of every topic (TETHER_TOPIC_REPLICATION_FACTOR of the services): the local stack has one broker.
+    replication_factor: int = 1
     model: ModelChoice = field(default_factory=ModelChoice)
     #: Extra scenario files/directories for the scripted model (the bundled ones, incl. the demo, stay).
     scenarios: Sequence[Path] = ()
@@ -410,7 +412,7 @@ class TetherSystem:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._start_sinks_and_model()
         declare_topics(self.config.kafka_bootstrap, self.config.partitions, CHANGELOG_SERVICES,
-                       prefix=self.names.topic_prefix)
+                       prefix=self.names.topic_prefix, replication_factor=self.config.replication_factor)
         self.bootstrap = self._bootstrap_tenant()
         self._start_services()
         self.client = ApiClient(self.address, self.bootstrap.api_key)
@@ -544,6 +546,7 @@ class TetherSystem:
             "TETHER_REDIS_URL": cfg.redis_url,
             "TETHER_PARTITIONS": str(cfg.partitions),
             "TETHER_TOPIC_PREFIX": names.topic_prefix,
+            "TETHER_TOPIC_REPLICATION_FACTOR": str(cfg.replication_factor),
             f"{prefix}METRICS_PORT": str(health_port),
             f"{prefix}HTTP_HOST": "127.0.0.1",
             f"{prefix}DECLARE_TOPICS": "false",  # declared once, up front

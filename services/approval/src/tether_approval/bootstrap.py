@@ -47,4 +47,5 @@ def declare_topics(settings: ApprovalSettings) -> None:
     """Create the topics the approval service reads and writes (and its changelog) if missing; idempotent."""
     from tether_messaging.admin import declare_topics as declare
 
-    declare(settings.kafka_bootstrap, settings.partitions, [ApprovalProcessor.name], prefix=settings.topic_prefix)
+    declare(settings.kafka_bootstrap, settings.partitions, [ApprovalProcessor.name], prefix=settings.topic_prefix,
+            replication_factor=settings.topic_replication_factor)

@@ -52,4 +52,5 @@ def declare_topics(settings: BudgetSettings) -> None:
     """Create the topics the budget reads and writes (and its changelog) if missing; idempotent."""
     from tether_messaging.admin import declare_topics as declare
 
-    declare(settings.kafka_bootstrap, settings.partitions, [BudgetProcessor.name], prefix=settings.topic_prefix)
+    declare(settings.kafka_bootstrap, settings.partitions, [BudgetProcessor.name], prefix=settings.topic_prefix,
+            replication_factor=settings.topic_replication_factor)

@@ -100,4 +100,5 @@ def declare_topics(settings: PlannerSettings) -> None:
     """Create the topics the planner reads and writes (and its changelog) if missing; idempotent."""
     from tether_messaging.admin import declare_topics as declare
 
-    declare(settings.kafka_bootstrap, settings.partitions, [PlannerProcessor.name], prefix=settings.topic_prefix)
+    declare(settings.kafka_bootstrap, settings.partitions, [PlannerProcessor.name], prefix=settings.topic_prefix,
+            replication_factor=settings.topic_replication_factor)

@@ -49,4 +49,5 @@ def declare_topics(settings: ProjectorSettings) -> None:
     """
     from tether_messaging.admin import declare_topics as declare
 
-    declare(settings.kafka_bootstrap, settings.partitions, [ProjectorProcessor.name], prefix=settings.topic_prefix)
+    declare(settings.kafka_bootstrap, settings.partitions, [ProjectorProcessor.name], prefix=settings.topic_prefix,
+            replication_factor=settings.topic_replication_factor)

@@ -73,7 +73,8 @@ def build_app(settings: RunApiSettings, *, stop: threading.Event | None = None) 
     """
     topics = Topics(settings.topic_prefix)
     if settings.declare_topics:
-        declare_topics(settings.kafka_bootstrap, settings.partitions, [], prefix=settings.topic_prefix)
+        declare_topics(settings.kafka_bootstrap, settings.partitions, [], prefix=settings.topic_prefix,
+                       replication_factor=settings.topic_replication_factor)
     closers: list[Callable[[], None]] = []
     store, pool = wait_for_dependency(lambda: open_store(settings), what="postgresql",
                                       retry_on=(psycopg.OperationalError,), stop=stop or threading.Event(),

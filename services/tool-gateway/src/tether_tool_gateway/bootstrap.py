@@ -157,4 +157,5 @@ def declare_topics(settings: GatewaySettings) -> None:
     """Create the topics the gateway reads and writes (and its changelog) if missing; idempotent."""
     from tether_messaging.admin import declare_topics as declare
 
-    declare(settings.kafka_bootstrap, settings.partitions, [GatewayProcessor.name], prefix=settings.topic_prefix)
+    declare(settings.kafka_bootstrap, settings.partitions, [GatewayProcessor.name], prefix=settings.topic_prefix,
+            replication_factor=settings.topic_replication_factor)
