@@ -187,6 +187,26 @@ def test_submit_validation_and_goal_cap() -> None:
     assert fields(err.value) == {"request_id", "goal", "agent_version"}
 
 
+@pytest.mark.parametrize("pattern", ["REQUEST_ID", "RUN_ID", "AGENT_ID", "TOOL_NAME", "PROVIDER", "_KEY_SHAPE"])
+def test_an_id_with_a_trailing_newline_is_not_an_id(pattern: str) -> None:
+    # `$` also matches before a final newline: "r-1\n" passed as a request id and was stored so.
+    import tether_run_api.domain.auth as auth
+    import tether_run_api.domain.catalog as catalog
+    import tether_run_api.domain.runs as runs
+
+    compiled = next(getattr(m, pattern) for m in (runs, catalog, auth) if hasattr(m, pattern))
+    good = {"REQUEST_ID": "r-1", "RUN_ID": "01ARZ3NDEKTSV4RRFFQ69G5FAV", "AGENT_ID": "helper", "TOOL_NAME": "kv_get",
+            "PROVIDER": "scripted", "_KEY_SHAPE": "tk_" + "a" * 24}[pattern]
+    assert compiled.match(good)
+    assert not compiled.match(good + "\n")
+
+
+def test_a_request_id_or_agent_id_ending_in_a_newline_is_a_field_violation() -> None:
+    with pytest.raises(InvalidArgument) as err:
+        validate_submit(SubmitRequest("r-1\n", "helper\n", "goal"), RunLimits(max_goal_chars=10))
+    assert fields(err.value) == {"request_id", "agent_id"}
+
+
 def test_snapshot_carries_allowlisted_enabled_tools_in_order_and_grants() -> None:
     principal = Principal("t1", "alice", frozenset({ROLE_MEMBER}))
     tools = [

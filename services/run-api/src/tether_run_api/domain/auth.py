@@ -16,7 +16,7 @@ ROLE_MEMBER = "member"  # submitting and reading runs
 KNOWN_ROLES = frozenset({ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER})
 
 KEY_PREFIX = "tk_"
-_KEY_SHAPE = re.compile(r"^tk_[A-Za-z0-9_-]{20,200}$")
+_KEY_SHAPE = re.compile(r"^tk_[A-Za-z0-9_-]{20,200}\Z")
 _BEARER = re.compile(r"^Bearer\s+(\S+)$", re.IGNORECASE)
 
 

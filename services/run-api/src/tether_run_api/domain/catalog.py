@@ -18,10 +18,10 @@ from tether_run_api.domain.text import NUL_PROBLEM, check_no_nul, json_has_nul
 from tether_tool_gateway.domain.constraints import ConstraintsInvalid, parse_constraints
 from tether_tool_gateway.domain.executor_config import executor_config_problems
 
-AGENT_ID = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+AGENT_ID = re.compile(r"^[a-z][a-z0-9-]{0,62}\Z")
 # Tool names are function names the model emits, so they follow the providers' common subset.
-TOOL_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
-PROVIDER = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+TOOL_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}\Z")
+PROVIDER = re.compile(r"^[a-z][a-z0-9_-]{0,31}\Z")
 EXECUTOR_KINDS = frozenset({"builtin", "http", "mcp", "mcp_stdio", "sandbox"})
 
 DEFAULT_CONTEXT_WINDOW = 128_000

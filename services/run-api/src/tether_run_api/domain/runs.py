@@ -12,8 +12,8 @@ from tether_run_api.domain.catalog import CapsDraft, canonical_json, check_agent
 from tether_run_api.domain.errors import FieldViolation, InvalidArgument
 from tether_run_api.domain.text import check_no_nul
 
-REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-RUN_ID = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
+REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
+RUN_ID = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}\Z")
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 
