@@ -87,7 +87,8 @@ def test_exactly_once_processors_keep_their_state_store_on_pod_disk():
         # scratch disk, not a memory filesystem (tmpfs pages would count as the pod's memory)
         assert volume["emptyDir"] == {"sizeLimit": "5Gi"}
     run_api = next(d for d in docs if d["metadata"]["name"] == "tether-run-api" and d["kind"] == "Deployment")
-    assert "volumes" not in run_api["spec"]["template"]["spec"]
+    # a stateless Deployment has no state store, only the /tmp every pod gets
+    assert [v["name"] for v in run_api["spec"]["template"]["spec"]["volumes"]] == ["tmp"]
 
 
 def _loop_metric_names() -> set[str]:
@@ -122,3 +123,141 @@ def test_alerts_are_off_by_default_and_use_only_metrics_the_loop_exports():
 def test_alert_thresholds_are_validated():
     with pytest.raises(Exception, match="for|pattern"):
         _render({"monitoring": {"rules": {"enabled": True, "for": "ten minutes"}}})
+
+
+def _workloads(docs: list[dict]) -> dict[str, dict]:
+    return {d["metadata"]["name"].removeprefix("tether-"): d for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container["env"]}
+
+
+def test_topic_replication_and_declaration_are_values():
+    for name, workload in _workloads(_render()).items():
+        env = _env(workload["spec"]["template"]["spec"]["containers"][0])
+        assert env["TETHER_TOPIC_REPLICATION_FACTOR"]["value"] == "3", name
+        assert [v["value"] for k, v in env.items() if k.endswith("_DECLARE_TOPICS")] == ["true"], name
+    docs = _render({"kafka": {"replicationFactor": 1, "declareTopics": False}})
+    for name, workload in _workloads(docs).items():
+        env = _env(workload["spec"]["template"]["spec"]["containers"][0])
+        assert env["TETHER_TOPIC_REPLICATION_FACTOR"]["value"] == "1", name
+        assert [v["value"] for k, v in env.items() if k.endswith("_DECLARE_TOPICS")] == ["false"], name
+    with pytest.raises(Exception, match="replicationFactor"):
+        _render({"kafka": {"replicationFactor": 0}})
+
+
+def test_autoscaled_workloads_leave_the_replica_count_to_keda():
+    assert {n: w["spec"].get("replicas") for n, w in _workloads(_render()).items()} == {
+        "run-api": 2, "budget": 2, "planner": 3, "tool-gateway": 3, "approval": 1, "projector": 2}
+    docs = _render({"autoscaling": {"enabled": True}})
+    for doc in docs:
+        _validate(doc)
+    scaled = {d["spec"]["scaleTargetRef"]["name"].removeprefix("tether-"): d for d in docs if d["kind"] == "ScaledObject"}
+    assert set(scaled) == {"planner", "tool-gateway", "budget"}
+    for name, workload in _workloads(docs).items():
+        if name in scaled:
+            # an upgrade must not reset what KEDA chose; KEDA starts from the configured count
+            assert "replicas" not in workload["spec"], name
+        else:
+            assert workload["spec"]["replicas"] >= 1, name
+    planner = next(d for d in docs if d["kind"] == "ScaledObject" and d["metadata"]["name"] == "tether-planner")
+    assert planner["spec"]["minReplicaCount"] == 3
+
+
+def _restricted_violations(pod: dict) -> list[str]:
+    """The checks of the Kubernetes "restricted" Pod Security Standard (v1.33) that a pod spec can fail."""
+    found = []
+    pod_ctx = pod.get("securityContext", {})
+    for c in pod["containers"] + pod.get("initContainers", []):
+        ctx = c.get("securityContext", {})
+        if ctx.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{c['name']}: allowPrivilegeEscalation must be false")
+        if ctx.get("privileged"):
+            found.append(f"{c['name']}: privileged")
+        if ctx.get("capabilities", {}).get("drop") != ["ALL"]:
+            found.append(f"{c['name']}: capabilities.drop must be [ALL]")
+        if set(ctx.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{c['name']}: capabilities added")
+        if not ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")):
+            found.append(f"{c['name']}: runAsNonRoot")
+        if ctx.get("runAsUser", pod_ctx.get("runAsUser")) == 0:
+            found.append(f"{c['name']}: runAsUser 0")
+        seccomp = ctx.get("seccompProfile", pod_ctx.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{c['name']}: seccompProfile {seccomp}")
+        if ctx.get("procMount", "Default") != "Default":
+            found.append(f"{c['name']}: procMount")
+    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                       "projected", "secret"}
+    for volume in pod.get("volumes", []):
+        if not set(volume) - {"name"} <= allowed_volumes:
+            found.append(f"volume {volume['name']}: {set(volume) - {'name'}}")
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            found.append(key)
+    return found
+
+
+def test_every_pod_meets_the_restricted_pod_security_standard():
+    for name, workload in _workloads(_render({"autoscaling": {"enabled": True}})).items():
+        pod = workload["spec"]["template"]["spec"]
+        assert _restricted_violations(pod) == [], name
+        container = pod["containers"][0]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        # the only writable places: /tmp (every pod) and the processors' state store
+        tmp = next(m for m in container["volumeMounts"] if m["mountPath"] == "/tmp")
+        assert next(v for v in pod["volumes"] if v["name"] == tmp["name"])["emptyDir"] == {"sizeLimit": "256Mi"}
+        writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+        assert writable == ({"/tmp", "/var/lib/tether/state"} if workload["kind"] == "StatefulSet" else {"/tmp"})
+
+
+def test_a_service_can_override_its_security_context():
+    # the tool-gateway's bubblewrap sandbox needs more than "restricted" allows (docs/configuration.md)
+    docs = _render({"services": {"tool-gateway": {
+        "hostUsers": False,
+        "securityContext": {"seccompProfile": {"type": "Localhost", "localhostProfile": "profiles/tether-sandbox.json"},
+                            "procMount": "Unmasked", "appArmorProfile": {"type": "Unconfined"}},
+    }}})
+    for doc in docs:
+        _validate(doc)
+    workloads = _workloads(docs)
+    gateway = workloads["tool-gateway"]["spec"]["template"]["spec"]
+    ctx = gateway["containers"][0]["securityContext"]
+    assert ctx["seccompProfile"] == {"type": "Localhost", "localhostProfile": "profiles/tether-sandbox.json"}
+    assert ctx["procMount"] == "Unmasked" and gateway["hostUsers"] is False
+    # the keys it did not name keep the chart-wide values
+    assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"] == {"drop": ["ALL"]}
+    assert gateway["securityContext"]["runAsNonRoot"] is True
+    for name, workload in workloads.items():
+        if name != "tool-gateway":
+            pod = workload["spec"]["template"]["spec"]
+            assert _restricted_violations(pod) == [] and "hostUsers" not in pod, name
+
+
+def test_services_take_their_own_env_and_secrets():
+    webhook = {"name": "TETHER_APPROVAL_WEBHOOK_URL",
+               "valueFrom": {"secretKeyRef": {"name": "approval-webhook", "key": "url"}}}
+    docs = _render({
+        "llm": {"apiKeySecret": "llm-keys"},
+        "services": {
+            "approval": {"env": [webhook, {"name": "TETHER_APPROVAL_WEBHOOK_TIMEOUT_S", "value": "5"}]},
+            "tool-gateway": {"envFrom": [{"secretRef": {"name": "gateway-secrets"}},
+                                         {"configMapRef": {"name": "gateway-policy"}}]},
+            "planner": {"envFrom": [{"secretRef": {"name": "planner-extra"}}]},
+        },
+    })
+    for doc in docs:
+        _validate(doc)
+    containers = {n: w["spec"]["template"]["spec"]["containers"][0] for n, w in _workloads(docs).items()}
+    approval_env = _env(containers["approval"])
+    assert approval_env["TETHER_APPROVAL_WEBHOOK_URL"] == webhook
+    assert approval_env["TETHER_APPROVAL_WEBHOOK_TIMEOUT_S"]["value"] == "5"
+    assert "TETHER_KAFKA_BOOTSTRAP" in approval_env  # the chart's own entries stay
+    assert containers["tool-gateway"]["envFrom"] == [{"secretRef": {"name": "gateway-secrets"}},
+                                                     {"configMapRef": {"name": "gateway-policy"}}]
+    assert containers["planner"]["envFrom"] == [{"secretRef": {"name": "llm-keys"}},
+                                                {"secretRef": {"name": "planner-extra"}}]
+    assert "envFrom" not in containers["budget"]
+    with pytest.raises(Exception, match="name"):
+        _render({"services": {"approval": {"env": [{"value": "x"}]}}})

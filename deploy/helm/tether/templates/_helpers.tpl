@@ -10,6 +10,8 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
   value: {{ .Values.kafka.bootstrap | quote }}
 - name: TETHER_PARTITIONS
   value: {{ .Values.kafka.partitions | quote }}
+- name: TETHER_TOPIC_REPLICATION_FACTOR
+  value: {{ .Values.kafka.replicationFactor | quote }}
 - name: TETHER_REDIS_URL
   value: {{ .Values.redis.url | quote }}
 - name: TETHER_PG_DSN
@@ -17,4 +19,15 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
     secretKeyRef:
       name: {{ .Values.postgres.dsnSecret }}
       key: dsn
+{{- end -}}
+
+
+{{/* A service's security context: the chart-wide one with the service's own keys merged over it.
+Called with (list $ $svc "podSecurityContext") or (list $ $svc "securityContext"). */}}
+{{- define "tether.securityContext" -}}
+{{- $root := index . 0 -}}
+{{- $svc := index . 1 -}}
+{{- $key := index . 2 -}}
+{{- $base := deepCopy (index $root.Values $key | default dict) -}}
+{{- toYaml (mergeOverwrite $base (deepCopy (index $svc $key | default dict))) -}}
 {{- end -}}
