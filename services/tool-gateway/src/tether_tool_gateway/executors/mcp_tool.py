@@ -5,7 +5,7 @@ Config (ToolSpec.executor_config_json):
   tool          the tool's name on the server (Tether's name may differ: it must match [a-z][a-z0-9_]*)
   headers       extra headers; values may hold `secret://name` handles, resolved at execution time
   allow_hosts   hosts the tool may contact (default: the url's host)
-  max_response_bytes  an answer announcing more (Content-Length), or one SSE event larger, fails (default 1 MiB)
+  max_response_bytes  an answer (a response body; for SSE, one event) larger than this fails (default 1 MiB)
 
 The gateway opens a session, calls `tools/call` with the validated arguments (the call's idem_key
 goes in the request's `_meta` as `tether/idempotency_key`), and records the result; a result the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,16 +49,65 @@ class InvalidServerOutput(Exception):
     """The server sent something that is not an MCP (JSON-RPC) message where only those may be."""
 
 
+class _CappedBody(httpx2.AsyncByteStream):
+    """A response body that fails with OversizedAnswer once more than `max_bytes` of it have arrived."""
+
+    def __init__(self, body: httpx2.AsyncByteStream, max_bytes: int) -> None:
+        self._body = body
+        self._max_bytes = max_bytes
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        received = 0
+        async for chunk in self._body:
+            received += len(chunk)
+            if received > self._max_bytes:
+                raise OversizedAnswer(f"the MCP server's answer passed the limit of {self._max_bytes} bytes")
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._body.aclose()
+
+
+class _CappedTransport(httpx2.AsyncBaseTransport):
+    """Holds every answer to `max_bytes`, however it is sent.
+
+    An answer announcing more (Content-Length) is refused before its body is read; any other
+    body (a chunked application/json answer, which the SDK reads whole) is counted as it
+    arrives. SSE bodies are left to the SDK's per-event cap: a stream of progress events may
+    rightly total more than one answer. Answers must not be compressed (the client asks for
+    identity): the cap counts the bytes on the wire, and a compressed body would decode past it.
+    """
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport, max_bytes: int) -> None:
+        self._inner = inner
+        self._max_bytes = max_bytes
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = await self._inner.handle_async_request(request)
+        declared = response.headers.get("content-length")
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if declared is not None and declared.isdigit() and int(declared) > self._max_bytes:
+            await response.aclose()
+            raise OversizedAnswer(f"the MCP server announced {declared} bytes; the limit is {self._max_bytes}")
+        if encoding not in ("", "identity"):
+            await response.aclose()
+            raise InvalidServerOutput(f"the MCP server sent a {encoding!r}-encoded answer; only identity is accepted")
+        if not response.headers.get("content-type", "").lower().startswith("text/event-stream"):
+            response.stream = _CappedBody(response.stream, self._max_bytes)
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
 def _client(url: httpx.URL, headers: dict[str, str], timeout_s: float,
             max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> Client:
-    async def check_size(response: httpx2.Response) -> None:
-        declared = response.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            raise OversizedAnswer(f"the MCP server announced {declared} bytes; the limit is {max_bytes}")
-
+    transport = _CappedTransport(httpx2.AsyncHTTPTransport(trust_env=False), max_bytes)
+    request_headers = httpx2.Headers(headers)
+    request_headers["Accept-Encoding"] = "identity"  # whatever the config says: see _CappedTransport
     # follow_redirects off as well: the SDK itself only follows same-origin redirects.
-    http = httpx2.AsyncClient(headers=headers, timeout=timeout_s, follow_redirects=False, trust_env=False,
-                              event_hooks={"response": [check_size]})
+    http = httpx2.AsyncClient(headers=request_headers, timeout=timeout_s, follow_redirects=False, trust_env=False,
+                              transport=transport)
     return Client(streamable_http_client(str(url), http_client=http, max_sse_event_size=max_bytes),
                   read_timeout_seconds=timeout_s)
 
