@@ -30,16 +30,20 @@ PARTITIONS = 2
 RUNS = 4
 INPUTS_PER_RUN = 15
 TOTAL = RUNS * INPUTS_PER_RUN
-#: The input whose first handling emits a record the producer refuses (after input 7 of the
-#: same run started work in the same batch).
+#: The input whose first handling emits a record the producer fails to take, as after a transient
+#: failure (after input 7 of the same run started work in the same batch).
 POISON_INPUT = 8
+#: Where that record goes: `_Faulty.produce` fails it (librdkafka's answer to a produce into a
+#: transaction already failed by a delivery error) instead of producing it.
+FAILING_TOPIC = "fails-once"
 REMAINING = Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)
 
 
 class AbortsOnce(eos_processor.EosProcessor):
-    """The exactly-once checker, whose first handling of each run's input 8 also emits a 2 MB
-    record: the producer refuses it (over `message.max.bytes`), which aborts the batch's
-    transaction. The replayed handling emits nothing extra. Counts how often each work item ran."""
+    """The exactly-once checker, whose first handling of each run's input 8 also emits a record
+    the producer fails to take with a transient error (`_Faulty`), which aborts the batch's
+    transaction. The replayed handling emits nothing extra. Counts how often each work item ran.
+    (A record too large to produce would not do: that is a poison record, test_loop_poison_records.py.)"""
 
     def __init__(self, topics: Topics) -> None:
         super().__init__(topics, work_sleep_ms=10)
@@ -51,7 +55,7 @@ class AbortsOnce(eos_processor.EosProcessor):
         run_id = msg.envelope.run_id
         if msg.payload.step == POISON_INPUT and run_id not in self.poisoned:
             self.poisoned.add(run_id)
-            ctx.emit(self.output, RunRejected(request_id="x", reason_code="TOO_BIG", detail="x" * 2_000_000),
+            ctx.emit(FAILING_TOPIC, RunRejected(request_id="x", reason_code="FAILS", detail="x"),
                      run_id=run_id, tenant_id=msg.envelope.tenant_id, event_id=f"poison:{run_id}")
         super().handle(msg, ctx)
 
@@ -87,12 +91,20 @@ def _latest_changelog(bootstrap: str, topic: str) -> dict[bytes, bytes | None]:
     return latest
 
 
-class _FirstAbortFailsFatally(Producer):
-    """A real transactional producer whose first abort fails as librdkafka's sometimes does
-    (confluentinc/librdkafka#4849: a fatal INVALID_TXN_STATE) without aborting anything: the
-    transaction stays open on the broker, and only the loop's replacement producer can end it."""
+class _Faulty(Producer):
+    """A real transactional producer that fails each record for `FAILING_TOPIC` as librdkafka
+    fails a produce into a transaction a delivery error has failed (a transient, non-size error:
+    the batch is aborted and replayed), and whose first abort, with `failures_left`, fails as
+    librdkafka's sometimes does (confluentinc/librdkafka#4849: a fatal INVALID_TXN_STATE) without
+    aborting anything: the transaction stays open on the broker, and only the loop's replacement
+    producer can end it."""
 
-    failures_left = 1
+    failures_left = 0
+
+    def produce(self, topic: str, *args: object, **kwargs: object) -> None:
+        if topic == FAILING_TOPIC:
+            raise KafkaException(KafkaError(KafkaError._STATE, "Unable to produce message: Local: Erroneous state"))
+        super().produce(topic, *args, **kwargs)
 
     def abort_transaction(self, *args: object) -> None:
         if type(self).failures_left:
@@ -109,9 +121,8 @@ class _FirstAbortFailsFatally(Producer):
 def test_an_aborted_batch_is_rolled_back_and_its_inputs_handled_again_exactly_once(
     kafka_bootstrap: str, topic_prefix: str, abort_fails: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if abort_fails:
-        monkeypatch.setattr(_FirstAbortFailsFatally, "failures_left", 1)
-        monkeypatch.setattr(loop_mod, "Producer", _FirstAbortFailsFatally)
+    monkeypatch.setattr(_Faulty, "failures_left", 1 if abort_fails else 0)
+    monkeypatch.setattr(loop_mod, "Producer", _Faulty)
     topics = Topics(topic_prefix)
     declare_topics(kafka_bootstrap, PARTITIONS, ["eos"], prefix=topic_prefix)
     producer = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 50})
@@ -158,6 +169,7 @@ def test_an_aborted_batch_is_rolled_back_and_its_inputs_handled_again_exactly_on
     assert not errors, errors
 
     assert processor.poisoned == {f"run-{r}" for r in range(RUNS)}
+    assert not loop._poison  # a transient produce error is retried, never taken for a poison record
     assert loop_mod.BATCHES.labels("eos", "aborted")._value.get() >= aborted_before + 1, "no batch was aborted"
     replaced = loop_mod.PRODUCERS_REPLACED.labels("eos")._value.get() - replaced_before
     assert replaced == (1 if abort_fails else 0)

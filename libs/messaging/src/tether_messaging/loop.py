@@ -6,7 +6,8 @@ How a batch runs (docs/architecture.md, "The exactly-once loop"):
    up to `batch_max_messages` records or `batch_max_ms`;
 2. begin a transaction; deliver finished work (`Processor.on_work_done`), then each record
    (decode → `Processor.handle`; undecodable records and `Unprocessable` go to the
-   dead-letter topic), then `on_tick` when due;
+   dead-letter topic, and so, after an abort and replay of the batch, do records whose outputs
+   or state checkpoint are too large ever to be produced: `_PoisonBatch`), then `on_tick` when due;
 3. call `Processor.before_commit()` if the processor has one (an at-least-once processor
    flushes the batch's external effects there), produce the changed per-run states to the
    service's changelog, send the input offsets, commit. Only after the commit are the changed
@@ -51,6 +52,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import structlog
@@ -63,6 +65,7 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
+from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 from prometheus_client import Counter, Gauge, Histogram
 
 from tether_contracts.base import AvroRecord
@@ -91,6 +94,8 @@ DLQ_TOPIC = "tether-dlq-topic"
 DLQ_PARTITION = "tether-dlq-partition"
 DLQ_OFFSET = "tether-dlq-offset"
 DLQ_WORK_KEY = "tether-dlq-work-key"
+#: Set (to the value's size) on a dead letter whose original value was too large to include.
+DLQ_VALUE_OMITTED = "tether-dlq-value-omitted"
 
 # -- metrics -------------------------------------------------------------------------------
 RECORDS = Counter("tether_loop_records_total", "Input records by outcome.", ["service", "topic", "outcome"])
@@ -167,6 +172,15 @@ _COMMIT_RETRIABLE = frozenset({
     KafkaError._WAIT_COORD,
 })
 
+#: Produce errors no retry can cure: a record larger than the producer accepts (`message.max.bytes`,
+#: refused by produce() itself) or than the broker accepts for its topic (`max.message.bytes`, in the
+#: delivery report, which then fails the transaction). The record that caused it is a poison record
+#: (`_PoisonBatch`); any other produce error aborts the batch and replays it as before.
+_TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
+#: Bytes a one-record batch adds to a record's key and value (the v2 batch header is 61 bytes;
+#: the record's own varints and attributes more). Only a record too large even alone is blamed.
+_BATCH_OVERHEAD = 61
+
 #: Written by `headers_for` on every envelope (tether_messaging.envelopes).
 
 
@@ -187,6 +201,27 @@ class ContextMisuse(Exception):
 
 class _AbortBatch(Exception):
     """The open transaction must be aborted and the batch replayed."""
+
+
+#: What a handler call's effects came from: ("record", topic, partition, offset) for an input,
+#: ("work", partition, key, epoch) for delivered work, ("tick",) for the tick.
+_Origin = tuple[Any, ...]
+
+
+#: Dead-letter reasons of a poison record (what could not be produced) → the detail's wording.
+_WHAT_TOO_LARGE = {"OUTPUT_TOO_LARGE": "output", "STATE_TOO_LARGE": "state checkpoint"}
+
+
+class _PoisonBatch(_AbortBatch):
+    """A record too large ever to be produced. With an `origin` (the handler call whose output
+    or state it is) the batch is aborted and replayed with that call's input dead-lettered
+    instead of handled; without one (the loop's own records) it is an ordinary abort."""
+
+    def __init__(self, origin: _Origin | None, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.origin = origin
+        self.reason = reason
+        self.detail = detail
 
 
 # -- configuration -------------------------------------------------------------------------
@@ -350,6 +385,8 @@ class _Unit:
     outputs: list[tuple[str, int, bytes, bytes, list[tuple[str, bytes]]]] = field(default_factory=list)
     states: dict[tuple[int, str], Any] = field(default_factory=dict)
     starts: list[_Work] = field(default_factory=list)
+    #: Whose effects these are: what a poison record's dead letter (or dropped tick) names.
+    origin: _Origin | None = None
 
 
 @dataclass
@@ -364,6 +401,11 @@ class _Batch:
     delivered: list[_Finished] = field(default_factory=list)
     first_offsets: dict[TP, int] = field(default_factory=dict)
     touched: set[int] = field(default_factory=set)
+    #: Each changed state's puts in order: (handler call, state). A checkpoint too large is blamed
+    #: on the first put that made the state too large (`ProcessorLoop._blame_state`).
+    state_puts: dict[tuple[int, str], list[tuple[_Origin, Any]]] = field(default_factory=dict)
+    #: Poison records (`ProcessorLoop._poison`) dead-lettered in this batch: forgotten once it commits.
+    poisoned: list[_Origin] = field(default_factory=list)
     produced: int = 0
     handled: int = 0
     #: Records that reached the decoder (handled, dead-lettered or failed), not just passed over.
@@ -572,6 +614,15 @@ class ProcessorLoop:
         self._restorer: Consumer | None = None
         self._pool: FairWorkQueue[_Work] | None = None
         self._delivery_errors: list[KafkaError] = []
+        #: Poison records: handler calls whose outputs or state checkpoint can never be produced
+        #: (too large), found by an aborted batch. Its replay dead-letters them instead of handling
+        #: them; an entry goes once a batch that did so commits, or with its partition.
+        self._poison: dict[_Origin, tuple[str, str]] = {}
+        #: Records of the open transaction the broker refused as too large (their delivery
+        #: reports): (origin, reason, topic, partition, key, bytes, error). Examined when it aborts.
+        self._refused: list[tuple[_Origin, str, str, int, bytes, int, KafkaError]] = []
+        #: Topics' `max.message.bytes`, looked up when the broker refused a record as too large.
+        self._topic_limits: dict[str, int] = {}
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -707,6 +758,13 @@ class ProcessorLoop:
         if err is not None:
             self._delivery_errors.append(err)
 
+    def _on_txn_delivery(self, origin: _Origin, reason: str, err: KafkaError | None, msg: Message) -> None:
+        """Delivery report of a handler call's output or checkpoint (transactional): keeps the
+        broker's size refusals so an abort can tell which handler call caused them."""
+        if err is not None and err.code() in _TOO_LARGE:
+            size = len(msg.key() or b"") + len(msg.value() or b"")
+            self._refused.append((origin, reason, msg.topic(), msg.partition(), msg.key() or b"", size, err))
+
     def _check_fatal(self) -> None:
         if self._callback_error is not None:
             raise self._callback_error
@@ -802,9 +860,12 @@ class ProcessorLoop:
             self._checkpoint(batch)
             self._commit(batch)
         except _AbortBatch as exc:
-            # Nothing of it committed: the partitions' next owner redoes the work.
+            # Nothing of it committed: the partitions' next owner redoes the work (and finds a
+            # poison outcome by itself).
             self._log.warning("handover_aborted", error=str(exc))
             self._abort_transaction()
+            self._producer.poll(0)
+            self._refused.clear()
             return
         HANDOVERS.labels(self._name).inc(len(finished))
         # Work the outcomes started is not run here: its inputs are held in the committed
@@ -831,6 +892,8 @@ class ProcessorLoop:
                 del d[tp]
         for key in [k for k, w in self._work.items() if w.partition in gone]:
             del self._work[key]  # its result, when it comes, carries a stale epoch
+        for origin in [o for o in self._poison if _origin_partition(o) in gone]:
+            del self._poison[origin]  # the next owner finds them poison by itself
         WORK_IN_FLIGHT.labels(self._name).set(len(self._work))
         self._log.info("partitions_dropped", why=why, partitions=sorted(gone))
 
@@ -1042,6 +1105,8 @@ class ProcessorLoop:
         except _AbortBatch as exc:
             self._abort(batch, snapshot, exc)
             return
+        for origin in batch.poisoned:
+            self._poison.pop(origin, None)  # dead-lettered in a committed batch
         if carried:
             # Not committed (the offsets sent stop before them): the next batch handles them.
             self._buffer = carried
@@ -1113,8 +1178,17 @@ class ProcessorLoop:
         batch.touched.add(w.partition)
         if w.origin is not None:
             self._release_hold(w.origin, w.origin_offset)
+        origin: _Origin = ("work", w.partition, w.key, w.epoch)
+        poison = self._poison.get(origin)
+        if poison is not None:
+            # Its outcome's effects can never be produced (an aborted attempt of this batch found
+            # them too large): dead-lettered instead, as if on_work_done had raised.
+            self._dead_letter_work(batch, w, *poison)
+            batch.poisoned.append(origin)
+            WORK_DONE.labels(self._name, "dead_lettered").inc()
+            return
         done = WorkDone(w.key, w.run_id, w.tenant_id, w.partition, result=f.result, error=f.error)
-        unit = _Unit()
+        unit = _Unit(origin=origin)
         ctx = _Ctx(self, batch, unit, w.partition, w.origin, w.origin_offset)
         try:
             self.processor.on_work_done(done, ctx)
@@ -1154,13 +1228,21 @@ class ProcessorLoop:
                 RECORDS.labels(self._name, m.topic(), "passed_over").inc()
                 return
         batch.decoded += 1
+        origin: _Origin = ("record", m.topic(), m.partition(), offset)
+        poison = self._poison.get(origin)
+        if poison is not None:
+            # Its outputs or state can never be produced (an aborted attempt of this batch found
+            # them too large): dead-lettered instead of handled, as if its handler had raised.
+            self._dead_letter(batch, m, *poison)
+            batch.poisoned.append(origin)
+            return
         try:
             envelope = self._codec.decode_value(m.value() or b"")
             payload = open_payload(envelope)
         except SerdeError as exc:
             self._dead_letter(batch, m, exc.reason, exc.detail)
             return
-        unit = _Unit()
+        unit = _Unit(origin=origin)
         ctx = _Ctx(self, batch, unit, m.partition(), tp, offset)
         try:
             self.processor.handle(Inbound(m.topic(), m.partition(), offset, envelope, payload), ctx)
@@ -1176,7 +1258,15 @@ class ProcessorLoop:
         RECORDS.labels(self._name, m.topic(), "handled").inc()
 
     def _tick(self, batch: _Batch) -> None:
-        unit = _Unit()
+        origin: _Origin = ("tick",)
+        poison = self._poison.get(origin)
+        if poison is not None:
+            # Its effects can never be produced (too large) and there is no record to dead-letter:
+            # dropped, as when on_tick raises; the next tick runs again.
+            self._log.error("tick_dropped", reason=poison[0], detail=poison[1][:500])
+            batch.poisoned.append(origin)
+            return
+        unit = _Unit(origin=origin)
         try:
             self.processor.on_tick(_TickCtx(self, batch, unit))
         except Exception as exc:
@@ -1193,11 +1283,13 @@ class ProcessorLoop:
 
     def _apply(self, batch: _Batch, unit: _Unit) -> None:
         for topic, partition, key, value, headers in unit.outputs:
-            self._produce(topic, partition, key, value, headers)
+            self._produce(topic, partition, key, value, headers, origin=unit.origin, reason="OUTPUT_TOO_LARGE")
             batch.produced += 1
         for (p, run_id), state in unit.states.items():
             batch.states[(p, run_id)] = state
             batch.touched.add(p)
+            if unit.origin is not None:
+                batch.state_puts.setdefault((p, run_id), []).append((unit.origin, state))
         for w in unit.starts:
             if w.key in self._work:
                 continue
@@ -1225,7 +1317,7 @@ class ProcessorLoop:
             (DLQ_PARTITION, str(m.partition()).encode()),
             (DLQ_OFFSET, str(m.offset()).encode()),
         ]
-        self._produce(self._dead_letters, m.partition(), m.key(), m.value(), headers)
+        self._produce_dead_letter(m.partition(), m.key(), m.value(), headers)
         batch.produced += 1
         DEAD_LETTERS.labels(self._name, reason).inc()
         RECORDS.labels(self._name, m.topic(), "dead_lettered").inc()
@@ -1241,10 +1333,21 @@ class ProcessorLoop:
             ("tether-tenant", w.tenant_id.encode()),
             ("tether-run", w.run_id.encode()),
         ]
-        self._produce(self._dead_letters, w.partition, w.run_id.encode(), None, headers)
+        self._produce_dead_letter(w.partition, w.run_id.encode(), None, headers)
         batch.produced += 1
         DEAD_LETTERS.labels(self._name, reason).inc()
         self._log.warning("work_dead_lettered", reason=reason, detail=detail[:500], key=w.key)
+
+    def _produce_dead_letter(self, partition: int, key: bytes | None, value: bytes | None,
+                             headers: list[tuple[str, bytes]]) -> None:
+        try:
+            self._produce(self._dead_letters, partition, key, value, headers)
+        except _PoisonBatch:
+            # An input just under its topic's limit plus the dead-letter headers can be over the
+            # producer's: the dead letter goes without the value (its topic, partition and offset
+            # still name the original) instead of failing the batch over and over.
+            omitted = (DLQ_VALUE_OMITTED, str(len(value or b"")).encode())
+            self._produce(self._dead_letters, partition, key, None, [*headers, omitted])
 
     # -- commit -----------------------------------------------------------------------------
     def _checkpoint(self, batch: _Batch) -> None:
@@ -1256,7 +1359,14 @@ class ProcessorLoop:
             if state is not None and codec is None:
                 raise FatalLoopError(f"{self._name} put state but has no state_codec")
             value = None if state is None else codec.encode(state)
-            self._produce(self._changelog, p, run_id.encode(), value, None)
+            puts = batch.state_puts.get((p, run_id))
+            try:
+                self._produce(self._changelog, p, run_id.encode(), value, None,
+                              origin=puts[-1][0] if puts else None, reason="STATE_TOO_LARGE")
+            except _PoisonBatch as exc:
+                if exc.origin is not None:
+                    exc.origin = self._blame_state(batch, p, run_id, self._producer_max_message_bytes(), 0)
+                raise
             batch.checkpointed.append((p, run_id, state, value))
         for p in sorted(batch.touched):
             if p not in self._owned:
@@ -1321,11 +1431,18 @@ class ProcessorLoop:
             self._committed[(tp.topic, tp.partition)] = tp.offset
 
     def _abort(self, batch: _Batch, snapshot: tuple, exc: _AbortBatch) -> None:
-        if not self._txn:
+        poison_found = isinstance(exc, _PoisonBatch) and exc.origin is not None
+        if not self._txn and not poison_found:
             raise FatalLoopError(f"at-least-once batch failed: {exc}") from exc
         self._log.warning("batch_aborted", error=str(exc))
         BATCHES.labels(self._name, "aborted").inc()
-        self._abort_transaction()
+        if self._txn:
+            self._abort_transaction()
+            # The delivery reports of what the abort purged or the broker refused (`_refused`).
+            self._producer.poll(0)
+        # At least once, a poison record's batch is replayed without a transaction to abort: what
+        # it produced before stays, and is produced again (duplicates, which at least once allows).
+        self._poison.update(self._find_poison(batch, exc))
         # The batch's state changes never reached the store; forget the decoded states too, in
         # case a handler changed one in place, so the replay reads the committed bytes.
         if self._store is not None:
@@ -1335,6 +1452,70 @@ class ProcessorLoop:
         for (topic, partition), offset in batch.first_offsets.items():
             if partition in self._owned:
                 self._consumer.seek(TopicPartition(topic, partition, offset))
+
+    def _find_poison(self, batch: _Batch, exc: _AbortBatch) -> dict[_Origin, tuple[str, str]]:
+        """The handler calls whose outputs or checkpoint can never be produced, with the reason
+        and detail of their dead letters: the one whose record produce() refused (`exc`) and
+        those whose records the broker refused as too large for their topic. A broker refusal
+        covers every record of the request, so only a record larger than the topic's
+        `max.message.bytes` even alone is blamed; if none is (a batch of records together over
+        it), nothing is, and the batch is replayed as after any abort."""
+        found: dict[_Origin, tuple[str, str]] = {}
+        if isinstance(exc, _PoisonBatch) and exc.origin is not None:
+            found[exc.origin] = (exc.reason, exc.detail)
+        refused, self._refused = self._refused, []
+        limits: dict[str, int | None] = {}
+        for origin, reason, topic, partition, key, size, err in refused:
+            if topic not in limits:
+                limits[topic] = self._topic_max_message_bytes(topic)
+            limit = limits[topic]
+            if limit is None or size + _BATCH_OVERHEAD <= limit:
+                continue
+            if reason == "STATE_TOO_LARGE" and (partition, key.decode()) in batch.state_puts:
+                origin = self._blame_state(batch, partition, key.decode(), limit, _BATCH_OVERHEAD)
+            if origin in found:
+                continue
+            found[origin] = (reason, f"{_WHAT_TOO_LARGE.get(reason, 'record')} of {size} bytes to {topic}[{partition}] "
+                                     f"refused by the broker: {err.str()} ({err.name()}; the topic's "
+                                     f"max.message.bytes is {limit})")
+        if refused and not found:
+            self._log.error("records_refused_too_large_unattributed", topics=sorted(limits), limits=limits,
+                            records=len(refused),
+                            hint="no record alone exceeds its topic's max.message.bytes: the producer's "
+                                 "message.max.bytes / batch.size should not exceed it")
+        for origin, (reason, detail) in found.items():
+            self._log.warning("poison_record_found", origin=list(origin), reason=reason, detail=detail[:500])
+        return found
+
+    def _blame_state(self, batch: _Batch, p: int, run_id: str, limit: int | None, overhead: int) -> _Origin:
+        """The handler call whose put made run `run_id`'s state too large to checkpoint: the
+        batch's first put of an encoded state over `limit` (later puts carried it on; without
+        that call they start from the state before it). The last put if none can be told."""
+        puts = batch.state_puts[(p, run_id)]
+        codec = self.processor.state_codec
+        if limit is not None and codec is not None:
+            for origin, state in puts:
+                if state is not None and len(run_id) + len(codec.encode(state)) + overhead > limit:
+                    return origin
+        return puts[-1][0]
+
+    def _producer_max_message_bytes(self) -> int:
+        return int(self.config.producer_overrides.get("message.max.bytes", 1_000_000))
+
+    def _topic_max_message_bytes(self, topic: str) -> int | None:
+        """The broker's limit for one record batch of `topic` (asked each time: rare, and an
+        operator may raise it); None if it cannot be read now."""
+        overrides = self.config.producer_overrides
+        conf = {"bootstrap.servers": self.config.bootstrap,
+                **{k: v for k, v in overrides.items() if k.startswith(("security.", "sasl.", "ssl."))}}
+        try:
+            admin = AdminClient(conf)  # referenced until the answer is in: its futures die with it
+            resource = ConfigResource(ResourceType.TOPIC, topic)
+            future = admin.describe_configs([resource], request_timeout=10)[resource]
+            return int(future.result(timeout=15)["max.message.bytes"].value)
+        except Exception as exc:  # noqa: BLE001 - unknown limit: blame nothing, replay as after any abort
+            self._log.warning("topic_limit_unknown", topic=topic, error=_describe(exc))
+            return None
 
     def _abort_transaction(self) -> None:
         """Abort the open transaction, retrying while the broker is away (a restart): an abort
@@ -1444,10 +1625,17 @@ class ProcessorLoop:
         threading.Thread(target=watch, name=f"{self._name}-txn-watchdog", daemon=True).start()
 
     def _produce(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
-                 headers: list[tuple[str, bytes]] | None) -> None:
+                 headers: list[tuple[str, bytes]] | None, *, origin: _Origin | None = None,
+                 reason: str = "RECORD_TOO_LARGE") -> None:
+        """Produce one record. `origin`: the handler call whose effect it is, blamed (`reason`)
+        if the record is too large ever to be produced: a refusal here raises `_PoisonBatch`,
+        one by the broker is seen in the delivery report (`_on_txn_delivery`)."""
+        kwargs: dict[str, Any] = {}
+        if origin is not None and self._txn:
+            kwargs["on_delivery"] = partial(self._on_txn_delivery, origin, reason)
         while True:
             try:
-                self._producer.produce(topic, value=value, key=key, partition=partition, headers=headers)
+                self._producer.produce(topic, value=value, key=key, partition=partition, headers=headers, **kwargs)
                 return
             except BufferError:
                 self._producer.poll(0.05)  # the local queue is full: let deliveries drain
@@ -1455,6 +1643,12 @@ class ProcessorLoop:
                 err = exc.args[0]
                 if err.fatal():
                     raise FatalLoopError(f"produce: {err.str()}") from exc
+                if err.code() in _TOO_LARGE:
+                    # Deterministic: the same record is refused however often it is produced.
+                    size = len(key or b"") + len(value or b"") + sum(len(k) + len(v or b"") for k, v in headers or ())
+                    detail = (f"{_WHAT_TOO_LARGE.get(reason, 'record')} of {size} bytes to {topic}[{partition}] "
+                              f"refused by the producer: {err.str()} ({err.name()})")
+                    raise _PoisonBatch(origin, reason, detail) from exc
                 raise _AbortBatch(f"produce: {err.str()}") from exc
 
     def _update_lag(self) -> None:
@@ -1498,6 +1692,15 @@ class ProcessorLoop:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _origin_partition(origin: _Origin) -> int | None:
+    """The partition a handler call belonged to (None for the tick)."""
+    if origin[0] == "record":
+        return origin[2]
+    if origin[0] == "work":
+        return origin[1]
+    return None
 
 
 def serve_processor(
