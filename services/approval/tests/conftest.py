@@ -14,7 +14,7 @@ from tether_approval.domain.state import RunApprovals
 from tether_approval.entrypoint import ApprovalProcessor
 from tether_approval.handlers import Deps
 from tether_approval.metrics import ApprovalMetrics
-from tether_approval.notifier import ApprovalNotification, Delivery, NotificationFailed
+from tether_approval.notifier import ApprovalNotification, ApproverNotifier, Delivery, NotificationFailed
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
     AgentSpec,
@@ -76,7 +76,7 @@ class Harness:
     ARGS_HASH = ARGS_HASH
     tool = staticmethod(tool)
 
-    def __init__(self, policy: ApprovalPolicy | None = None, notifier: FakeNotifier | None = None) -> None:
+    def __init__(self, policy: ApprovalPolicy | None = None, notifier: ApproverNotifier | None = None) -> None:
         self.registry = CollectorRegistry()
         self.topics = Topics()
         self.notifier = notifier
@@ -162,10 +162,13 @@ def h() -> Harness:
 
 @pytest.fixture
 def make_harness():
-    """Build a harness with a policy and/or a fake webhook (`webhook=True`, or `"failing"`); run r1 accepted."""
+    """Build a harness with a policy and/or a fake webhook (`webhook=True`, or `"failing"`) or a given
+    notifier; run r1 accepted."""
 
-    def make(policy: ApprovalPolicy | None = None, webhook: bool | str = False) -> Harness:
-        notifier = FakeNotifier(fail=webhook == "failing") if webhook else None
+    def make(policy: ApprovalPolicy | None = None, webhook: bool | str = False,
+             notifier: ApproverNotifier | None = None) -> Harness:
+        if notifier is None and webhook:
+            notifier = FakeNotifier(fail=webhook == "failing")
         harness = Harness(policy, notifier)
         harness.accepted()
         return harness

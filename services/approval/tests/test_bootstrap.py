@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 from tether_approval.bootstrap import build_processor
 from tether_approval.notifier import WebhookNotifier
 from tether_approval.settings import ApprovalSettings
+from tether_runtime.logging import log_redactor
 
 
 def test_defaults(monkeypatch):
@@ -33,6 +34,16 @@ def test_environment_configures_policy_webhook_and_topics(monkeypatch):
     assert (policy.approver_role, policy.forbid_self_approval, policy.outcome_unknown_ttl_ms) == (
         "release-manager", False, 1234)
     assert isinstance(processor.deps.notifier, WebhookNotifier)
-    assert processor.deps.notifier.url == "http://127.0.0.1:9/hook"
+    assert processor.deps.notifier.origin == "http://127.0.0.1:9"
+    assert "/hook" not in repr(settings)
     assert processor.inputs == ("test-x.tether.run-events.v1", "test-x.tether.commands.v1")
     assert processor.deps.topics.run_intake == "test-x.tether.run-intake.v1"
+
+
+def test_the_webhook_url_and_signing_secret_are_registered_with_the_log_redactor(monkeypatch):
+    path = "/webhookb2/0d9f2c4e-aa61-4b7e-9c3d-5e8f1a2b3c4d/IncomingWebhook/77ab01cd"
+    monkeypatch.setenv("TETHER_APPROVAL_WEBHOOK_URL", f"https://acme.webhook.office.com{path}")
+    monkeypatch.setenv("TETHER_APPROVAL_WEBHOOK_SECRET", "signing-key-1")
+    build_processor(ApprovalSettings(), registry=CollectorRegistry())
+    line = log_redactor().redact(f"POST https://acme.webhook.office.com{path} failed; GET {path}; key signing-key-1")
+    assert "IncomingWebhook" not in line and "0d9f2c4e" not in line and "signing-key-1" not in line

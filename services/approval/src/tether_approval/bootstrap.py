@@ -8,21 +8,27 @@ from tether_approval.domain.decisions import ApprovalPolicy
 from tether_approval.entrypoint import ApprovalProcessor
 from tether_approval.handlers import Deps
 from tether_approval.metrics import ApprovalMetrics
-from tether_approval.notifier import WebhookNotifier
+from tether_approval.notifier import WebhookNotifier, webhook_credentials
 from tether_approval.settings import ApprovalSettings
 from tether_messaging.topics import Topics
+from tether_runtime.logging import log_redactor
 
 
 def build_deps(settings: ApprovalSettings, *, registry: CollectorRegistry = REGISTRY) -> Deps:
     """The handlers' dependencies as the settings describe them."""
     notifier = None
-    if settings.webhook_url:
+    url = settings.webhook_url.get_secret_value() if settings.webhook_url else ""
+    secret = settings.webhook_secret.get_secret_value() if settings.webhook_secret else None
+    # The webhook URL is a bearer credential (its path or query grants posting to the channel),
+    # and so is the signing secret: no log line of this process may show either.
+    log_redactor().add_secrets([*webhook_credentials(url), *([secret] if secret else [])])
+    if url:
         notifier = WebhookNotifier(
-            settings.webhook_url,
+            url,
             timeout_s=settings.webhook_timeout_s,
             max_attempts=settings.webhook_max_attempts,
             max_seconds=settings.webhook_max_seconds,
-            secret=settings.webhook_secret.get_secret_value() if settings.webhook_secret else None,
+            secret=secret,
         )
     return Deps(
         topics=Topics(settings.topic_prefix),

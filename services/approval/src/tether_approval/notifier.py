@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, stop_after_delay
@@ -103,6 +104,35 @@ class _Retryable(Exception):
     pass
 
 
+class UnusableWebhookUrl(ValueError):
+    """The configured webhook URL is not http(s)://host/... (the message never repeats the URL)."""
+
+
+def webhook_origin(url: str) -> str:
+    """`scheme://host[:port]` of a webhook URL: all that an error or a log line may name of it.
+
+    The rest is a credential: whoever holds a Teams, Slack or Discord incoming-webhook URL can
+    post to that channel, and the path (or a query token) is what grants it.
+    """
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        raise UnusableWebhookUrl("the webhook URL cannot be parsed") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise UnusableWebhookUrl("the webhook URL must be http(s)://host/...")
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+
+
+def webhook_credentials(url: str) -> list[str]:
+    """The parts of a webhook URL to register with the log redactor: the whole URL, its path
+    with query and fragment, and a password in it, if any."""
+    parts = urlsplit(url)
+    rest = urlunsplit(("", "", parts.path, parts.query, parts.fragment))
+    return [value for value in (url, rest, parts.password) if value]
+
+
 class WebhookNotifier:
     """POSTs the notification as JSON to one URL, retrying transport errors and 408/429/5xx with
     exponential backoff (tenacity), bounded by attempts and total time.
@@ -123,7 +153,8 @@ class WebhookNotifier:
         secret: str | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.url = url
+        self.origin = webhook_origin(url)
+        self._url = url
         self._http = http or httpx.Client(timeout=timeout_s)
         self._max_attempts = max_attempts
         self._max_seconds = max_seconds
@@ -143,7 +174,7 @@ class WebhookNotifier:
 
     def _post_once(self, body: bytes, headers: dict[str, str]) -> int:
         try:
-            response = self._http.post(self.url, content=body, headers=headers)
+            response = self._http.post(self._url, content=body, headers=headers)
         except httpx.TransportError as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
         if response.status_code in RETRYABLE_STATUS:
@@ -169,7 +200,7 @@ class WebhookNotifier:
                     status = self._post_once(body, headers)
         except RetryError as exc:
             last = exc.last_attempt.exception()
-            raise NotificationFailed(f"webhook {self.url} failed: {last}", attempts) from last
+            raise NotificationFailed(f"webhook {self.origin} failed: {last}", attempts) from last
         except NotificationFailed as exc:
             raise NotificationFailed(exc.detail, attempts) from exc
         return Delivery(status, attempts)

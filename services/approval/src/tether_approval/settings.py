@@ -32,7 +32,10 @@ class ApprovalSettings(LoopServiceSettings):
     max_early_decisions: int = Field(32, ge=0, description="Early decisions kept per run.")
 
     # -- the approver webhook (best-effort) -----------------------------------------------------
-    webhook_url: str | None = Field(None, description="POST a JSON notification here for each new approval.")
+    webhook_url: SecretStr | None = Field(
+        None, description="POST a JSON notification here for each new approval (http(s); logs name only scheme and "
+        "host: a webhook URL's path is a credential)."
+    )
     webhook_timeout_s: float = Field(5.0, gt=0, description="Timeout of one webhook attempt.")
     webhook_max_attempts: int = Field(4, ge=1, description="Attempts per notification (retries on 408/429/5xx/network).")
     webhook_max_seconds: float = Field(30.0, gt=0, description="Total time budget of one notification's attempts.")
