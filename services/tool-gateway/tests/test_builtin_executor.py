@@ -240,3 +240,14 @@ def test_kv_calls_share_kept_alive_connections_but_never_cookies():
     assert answers == [1, 2, 3]
     assert [cookie for _, cookie in seen] == [None, None, None]
     assert len({port for port, _ in seen}) == 1, f"a new connection per call: {seen}"
+
+
+def test_a_secret_too_short_to_redact_fails_the_call_saying_so_without_its_value():
+    from tether_security import Redactor, SecretRegistry, StaticSecretProvider
+    from tether_tool_gateway.executors.builtin import resolve_secret_handles
+
+    registry = SecretRegistry(StaticSecretProvider({"pin": "48213"}), Redactor(patterns=False, entropy=False))
+    with pytest.raises(ToolError) as err:
+        resolve_secret_handles({"X-Pin": "secret://pin"}, registry)
+    assert err.value.code == "EXECUTOR_UNAVAILABLE" and not err.value.retryable
+    assert "cannot be redacted" in err.value.detail and "48213" not in err.value.detail

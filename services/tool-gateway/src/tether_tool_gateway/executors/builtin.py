@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import httpx
 
-from tether_security import SecretNotFound
+from tether_security import SecretNotFound, SecretTooShort
 from tether_tool_gateway.builtin_tools import HTTP_GET, KV_GET, KV_PUT, SEND_EMAIL
 from tether_tool_gateway.domain.errors import EgressDenied, InvalidToolResult, ToolError
 from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
@@ -113,6 +113,9 @@ def resolve_secret_handles(values: dict[str, Any], secrets: SecretProvider) -> d
     def value(match: re.Match[str]) -> str:
         try:
             return secrets.resolve(match.group(0))
+        except SecretTooShort as exc:
+            # Its message names the handle and the minimum length, never the value.
+            raise ToolError("EXECUTOR_UNAVAILABLE", str(exc)) from None
         except SecretNotFound:
             raise ToolError("EXECUTOR_UNAVAILABLE", f"secret {match.group(0)!r} is not configured") from None
 
