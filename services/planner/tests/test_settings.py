@@ -23,6 +23,7 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("TETHER_LLM_BASE_URL", "http://127.0.0.1:8089/v1")
     monkeypatch.setenv("TETHER_PLANNER_STREAM", "true")
     monkeypatch.setenv("TETHER_PLANNER_MAX_ATTEMPTS", "7")
+    monkeypatch.setenv("TETHER_PLANNER_STATE_MAX_BYTES", "300000")
     monkeypatch.setenv("TETHER_PLANNER_PRICING_FILE", str(prices))
     monkeypatch.setenv("TETHER_TOPIC_PREFIX", "p.")
     settings = PlannerSettings()
@@ -44,7 +45,7 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
         assert anthropic.url() == "https://api.anthropic.com/v1/messages"
         with pytest.raises(UnknownProvider):
             deps.providers.get("acme")
-        assert deps.step_config.stream is True
+        assert deps.step_config.stream is True and deps.step_config.state_max_bytes == 300_000
         assert deps.topics.run_intake == "p.tether.run-intake.v1"
         assert deps.pricing.version == "test-1" and deps.pricing.cost("local-llama", 10, 10).priced
         assert deps.scrub("key sk-ant-secret-5678") == "key [redacted]"

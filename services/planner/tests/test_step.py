@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import random
 
-from tether_planner.domain.messages import ChatMessage, PinnedModel, ToolView
+from tether_planner.domain.compaction import estimate_tokens
+from tether_planner.domain.messages import ChatMessage, PinnedModel, ToolCallRef, ToolView
+from tether_planner.domain.state import RunState
 from tether_planner.domain.validation import RawToolCall
 from tether_planner.pricing import PricingTable
 from tether_planner.providers.port import ModelRequest, ModelResponse
+from tether_planner.statecodec import RunStateCodec
 from tether_planner.step import StepConfig, StepFailed, StepInput, StepSucceeded, run_step
 
 KV_PUT = ToolView(
@@ -103,3 +107,73 @@ def test_a_complete_answer_still_ends_the_step() -> None:
     provider = ScriptedProvider(("The report is fine.", (), "stop"))
     result = _run(_input(), provider)
     assert isinstance(result, StepSucceeded) and result.final and result.text == "The report is fine."
+
+
+# -- the checkpoint's size -----------------------------------------------------------------------
+
+MILLION = PinnedModel(provider="openai", name="gpt-4.1", context_window_tokens=1_000_000)
+
+
+def _big_context(turns: int, result_chars: int) -> tuple[ChatMessage, ...]:
+    """The goal, then `turns` steps each with one call answered by a poorly compressible result
+    (hex: about 2:1 under zlib; not wrapped in a data envelope, whose injection scan is slow on it)."""
+    rng = random.Random(7)
+    messages = [ChatMessage(role="user", content="collect every page")]
+    for step in range(1, turns + 1):
+        ref = ToolCallRef(id=f"c{step}", name="kv_put", arguments='{"key": "page"}', call_id=f"{step}.0")
+        messages.append(ChatMessage(role="assistant", content="", tool_calls=(ref,), step=step))
+        page = rng.randbytes(result_chars // 2).hex()
+        messages.append(ChatMessage(role="tool", content=page, tool_call_id=ref.id, tool_name="kv_put", call_id=ref.call_id, step=step))
+    return tuple(messages)
+
+
+def _checkpoint(inp: StepInput, result: StepSucceeded | StepFailed) -> bytes:
+    state = RunState(
+        tenant_id="t1",
+        goal=inp.messages[0].content,
+        instructions=inp.system,
+        model=inp.model,
+        tools=list(inp.tools.values()),
+        offered=[t.name for t in inp.offered],
+        messages=list(result.messages),
+        done_step=inp.step,
+    )
+    return RunStateCodec().encode(state)
+
+
+def test_a_context_far_below_a_large_window_is_still_compacted_to_fit_a_checkpoint() -> None:
+    # 208 results of 14 KB: ~730k estimated tokens, under 0.8 × a 1M window, yet ~1.5 MB compressed.
+    messages = _big_context(208, 14_000)
+    inp = StepInput(**{**_input().__dict__, "model": MILLION, "messages": messages, "step": 209})
+    assert estimate_tokens(inp.system, messages, inp.offered) < 0.8 * MILLION.context_window_tokens
+    uncompacted = _checkpoint(inp, StepSucceeded(209, "", (), "stop", None, 0, 0, False, True, 0, messages, 0))  # type: ignore[arg-type]
+    assert len(uncompacted) > 1_000_000  # over Kafka's record limit: the defect
+    provider = ScriptedProvider(("Stored them all.", (), "stop"))
+    result = _run(inp, provider)
+    assert isinstance(result, StepSucceeded) and result.compacted
+    encoded = _checkpoint(inp, result)
+    assert len(encoded) <= StepConfig().state_max_bytes
+    # The model saw the compacted context too, and the last turns stayed verbatim.
+    sent = provider.requests[0].messages
+    assert sent[1].content.startswith("[tether:compacted assistant_turns=")
+    assert sent[-1].call_id == "208.0" and sent[-1].content == messages[-1].content
+
+
+def test_the_byte_budget_is_configurable_and_compacts_down_to_no_kept_turn() -> None:
+    # Two turns of ~75 KB compressed each, budget 64 KiB: keeping 2 or 1 turns is too big, so none is kept.
+    messages = _big_context(2, 150_000)
+    inp = StepInput(**{**_input().__dict__, "model": MILLION, "messages": messages, "step": 3})
+    provider = ScriptedProvider(("Done.", (), "stop"))
+    config = StepConfig(state_max_bytes=64 * 1024)
+    result = run_step(inp, lambda: provider, PricingTable(), config)
+    assert isinstance(result, StepSucceeded) and result.compacted
+    assert len(_checkpoint(inp, result)) <= config.state_max_bytes
+    assert [m.role for m in provider.requests[0].messages] == ["user", "user"]
+
+
+def test_a_context_within_the_byte_budget_is_left_alone() -> None:
+    messages = _big_context(20, 15_000)  # ~300 KB raw
+    inp = StepInput(**{**_input().__dict__, "model": MILLION, "messages": messages, "step": 21})
+    result = _run(inp, ScriptedProvider(("Done.", (), "stop")))
+    assert isinstance(result, StepSucceeded) and not result.compacted
+    assert result.messages[: len(messages)] == messages

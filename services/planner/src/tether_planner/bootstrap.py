@@ -80,6 +80,7 @@ def build_deps(
             stream=settings.stream,
             keep_turns=settings.compaction_keep_turns,
             summary_max_chars=settings.summary_max_chars,
+            state_max_bytes=settings.state_max_bytes,
         ),
         limits=Limits(
             assistant_text_max_chars=settings.assistant_text_max_chars,

@@ -53,6 +53,14 @@ class PlannerSettings(LoopServiceSettings):
     malformed_limit: int = Field(3, ge=1, description="Consecutive invalid responses after which the step fails.")
     compaction_keep_turns: int = Field(2, ge=1, description="Turns kept verbatim when compacting.")
     summary_max_chars: int = Field(6000, ge=200, description="Cap on the summary that replaces compacted turns.")
+    state_max_bytes: int = Field(
+        524_288,
+        ge=65_536,
+        le=900_000,
+        description="A run's working context is compacted at the start of a step when its checkpoint (compressed) would "
+        "exceed this, whatever the model's window; under Kafka's 1,000,000-byte record limit with room for a step's "
+        "tool results.",
+    )
 
     # -- records ------------------------------------------------------------------------------
     assistant_text_max_chars: int = Field(8000, ge=100, description="Cap on the model's text recorded per call.")

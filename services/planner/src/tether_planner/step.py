@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import structlog
+from pydantic import TypeAdapter
 
 from tether_planner.domain.canonical import call_id as make_call_id
 from tether_planner.domain.compaction import compact, estimate_tokens, over_threshold
@@ -36,6 +37,7 @@ from tether_planner.providers.port import (
     ModelRequest,
     ProviderError,
 )
+from tether_planner.statecodec import checkpoint_size
 
 log = structlog.get_logger("tether_planner.step")
 
@@ -58,6 +60,10 @@ class StepConfig:
     emergency_keep_turns: int = 1
     summary_max_chars: int = 6000
     error_result_max_chars: int = 4000
+    #: Bound on the run's checkpoint (the encoded state) at the start of a step: a working context
+    #: over it is compacted whatever the model's window. Well under Kafka's 1,000,000-byte record
+    #: limit, leaving room for the step's answer and its tool results until the next step.
+    state_max_bytes: int = 512 * 1024
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,25 @@ def _excerpt(text: str, max_chars: int = 200) -> str:
     if not text:
         return ""
     return f"; text so far: {text[:max_chars]!r}" + ("…" if len(text) > max_chars else "")
+
+
+_MESSAGES = TypeAdapter(list[ChatMessage])
+_TOOLS = TypeAdapter(list[ToolView])
+
+
+def _checkpoint_size(inp: StepInput, messages: Sequence[ChatMessage], budget: int) -> int:
+    """The checkpoint's size with this working context: the messages and what else the state
+    keeps of about that size (instructions, tool snapshots, the goal a second time)."""
+    goal = messages[0].content if messages else ""
+    data = b"".join(
+        [
+            _MESSAGES.dump_json(list(messages)),
+            inp.system.encode(),
+            _TOOLS.dump_json(list(inp.tools.values())),
+            goal.encode(),
+        ]
+    )
+    return checkpoint_size(data, budget=budget)
 
 
 def _unique_ids(calls: Sequence[RawToolCall], step: int, model_call: int) -> list[RawToolCall]:
@@ -237,6 +262,21 @@ def run_step(
             working = c.apply(working)
             compacted = True
             log.info("context_compacted", run_id=inp.run_id, step=inp.step, estimated_tokens=estimated, replaced=c.replaced)
+    # The context must also fit a checkpoint, whatever the window: keep fewer turns verbatim,
+    # down to none, until it does.
+    for keep in (config.keep_turns, config.emergency_keep_turns, 0):
+        size = _checkpoint_size(inp, working, config.state_max_bytes)
+        if size <= config.state_max_bytes:
+            break
+        c = compact(working, keep_turns=keep, summary_max_chars=config.summary_max_chars)
+        if c is not None:
+            working = c.apply(working)
+            compacted = True
+            log.info("state_compacted", run_id=inp.run_id, step=inp.step, state_bytes=size, keep_turns=keep, replaced=c.replaced)
+    else:
+        size = _checkpoint_size(inp, working, config.state_max_bytes)
+        if size > config.state_max_bytes:
+            log.warning("state_over_budget_after_compaction", run_id=inp.run_id, step=inp.step, state_bytes=size)
 
     emergency_used = False
     failures = 0
