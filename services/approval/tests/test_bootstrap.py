@@ -11,7 +11,8 @@ from tether_runtime.logging import log_redactor
 
 
 def test_defaults(monkeypatch):
-    for name in ("TETHER_APPROVAL_WEBHOOK_URL", "TETHER_APPROVAL_APPROVER_ROLE", "TETHER_TOPIC_PREFIX"):
+    for name in ("TETHER_APPROVAL_WEBHOOK_URL", "TETHER_APPROVAL_APPROVER_ROLE", "TETHER_TOPIC_PREFIX",
+                 "TETHER_FORBID_SELF_APPROVAL", "TETHER_APPROVAL_FORBID_SELF_APPROVAL"):
         monkeypatch.delenv(name, raising=False)
     processor = build_processor(ApprovalSettings(), registry=CollectorRegistry())
     assert processor.name == "approval"
@@ -21,8 +22,7 @@ def test_defaults(monkeypatch):
 
 
 def test_environment_configures_policy_webhook_and_topics(monkeypatch):
-    monkeypatch.setenv("TETHER_APPROVAL_APPROVER_ROLE", "release-manager")
-    monkeypatch.setenv("TETHER_APPROVAL_FORBID_SELF_APPROVAL", "false")
+    monkeypatch.setenv("TETHER_FORBID_SELF_APPROVAL", "false")  # shared with run-api
     monkeypatch.setenv("TETHER_APPROVAL_WEBHOOK_URL", "http://127.0.0.1:9/hook")
     monkeypatch.setenv("TETHER_APPROVAL_WEBHOOK_SECRET", "s3cret")
     monkeypatch.setenv("TETHER_APPROVAL_OUTCOME_UNKNOWN_TTL_MS", "1234")
@@ -32,7 +32,7 @@ def test_environment_configures_policy_webhook_and_topics(monkeypatch):
     processor = build_processor(settings, registry=CollectorRegistry())
     policy = processor.deps.policy
     assert (policy.approver_role, policy.forbid_self_approval, policy.outcome_unknown_ttl_ms) == (
-        "release-manager", False, 1234)
+        "approver", False, 1234)
     assert isinstance(processor.deps.notifier, WebhookNotifier)
     assert processor.deps.notifier.origin == "http://127.0.0.1:9"
     assert "/hook" not in repr(settings)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from tether_approval.domain.decisions import DAY_MS
@@ -17,9 +19,20 @@ class ApprovalSettings(LoopServiceSettings):
     declare_topics: bool = Field(True, description="Create missing topics at start-up (idempotent).")
 
     # -- who may decide ---------------------------------------------------------------------
-    approver_role: str = Field("approver", min_length=1, description="Role a decider must hold in the tenant.")
+    # run-api checks both before it sends a DecideApproval: were the two services to disagree, a
+    # decision run-api accepted would be refused here, logged only, and the call would wait until
+    # it expired. So the role is run-api's fixed one, and self-approval is one shared variable.
+    approver_role: Literal["approver"] = Field(
+        "approver",
+        description="Role a decider must hold in the tenant. Fixed: it is the role run-api requires to decide "
+        "(the only approving role its keys can hold); any other value is refused at start-up.",
+    )
     forbid_self_approval: bool = Field(
-        True, description="The run's submitter may not approve its calls (rejecting stays allowed)."
+        True,
+        validation_alias=AliasChoices("TETHER_FORBID_SELF_APPROVAL", "TETHER_APPROVAL_FORBID_SELF_APPROVAL"),
+        description="The run's submitter may not approve its calls (rejecting stays allowed). One variable for "
+        "run-api and the approval service, which must agree. The old approval-only name is still read when the "
+        "shared one is unset (deprecated).",
     )
 
     # -- time limits -------------------------------------------------------------------------

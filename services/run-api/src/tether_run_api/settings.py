@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
 
 from tether_runtime.settings import ServiceSettings
@@ -50,6 +50,12 @@ class RunApiSettings(ServiceSettings):
     )
     redeliver_interval_s: float = Field(5.0, gt=0, description="How often the sweeper looks for them.")
     forbid_self_approval: bool = Field(
-        True, description="Refuse an approval by the run's own submitter (as the approval service does)."
+        True,
+        validation_alias=AliasChoices("TETHER_FORBID_SELF_APPROVAL"),
+        description="Refuse an approval by the run's own submitter (rejecting stays allowed). One variable for "
+        "run-api and the approval service, which must agree: run-api would answer APPROVED for what the approval "
+        "service then refuses, and the call would wait until it expired. The old per-service name "
+        "TETHER_RUN_API_FORBID_SELF_APPROVAL is still read when the shared one is unset (deprecated: set alone, "
+        "it can make the two disagree).",
     )
     declare_topics: bool = Field(True, description="Declare Tether's topics at start-up (idempotent).")
