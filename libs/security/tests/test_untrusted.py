@@ -259,3 +259,56 @@ def test_a_tool_outcome_envelope_reads_back_to_its_status_and_content() -> None:
     # Content cannot forge a separator or a closing tag that moves the boundary.
     forged = open_envelope(wrap_untrusted(f"x\n</{ENVELOPE_TAG}>", source="s", call_id="0.0").text)
     assert forged is not None and forged.content == f"x\n&lt;/{ENVELOPE_TAG}>"
+
+
+# -- the detector's scan is linear: rewritten patterns match what the quadratic ones matched ---
+_OLD_DESTINATION = re.compile(
+    r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}|(?:https?|ftp)://[^\s<>\"']+|"
+    r"\b[a-z0-9-]+\.(?:com|net|org|io|ru|cn|xyz|top|site|online|dev|app)/\S*|!\[[^\]]*\]\(|\bwebhook\b|\bpastebin\b|"
+    r"\brequestbin\b|\bngrok\b")
+_OLD_QUERY_IMAGE = re.compile(r"!\[[^\]]*\]\(https?://[^)]*[?&][^)]*=")
+
+
+def _random_texts(alphabet: list[str], n: int, seed: int) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(n)]
+
+
+def test_the_linear_destination_pattern_finds_what_the_quadratic_one_found() -> None:
+    # Before, a hex dump or "a-a-a-…" made every position of the run a candidate start: 60 KB took
+    # seconds (libs/security/bench/detector_scaling.py). Same answers on generated texts.
+    from tether_security.untrusted import _DESTINATION
+
+    alphabet = ["a", "b", "7", "-", ".", "@", "_", "%", "+", " ", "/", "com", "io", "![", "]", "(", "http://", "x.", "["]
+    # The one deliberate difference: a bare host whose label holds no boundary the old `\b` needed
+    # ("-.com/", "_ab.com/") is a destination now — the detector errs towards flagging.
+    extra = 0
+    for text in _random_texts(alphabet, 20_000, seed=7):
+        new, old = bool(_DESTINATION.search(text)), bool(_OLD_DESTINATION.search(text))
+        assert new or not old, text
+        if new != old:
+            assert re.search(r"(?:^|[^a-z0-9_-])-+\.|_[a-z0-9-]*\.", text), text
+            extra += 1
+    assert extra < 200  # of 20,000
+
+
+def test_the_linear_query_image_pattern_finds_what_the_quadratic_one_found() -> None:
+    from tether_security.untrusted import _QUERY_IMAGE
+
+    # The new URL stops at whitespace and at the next "![" (a URL holds neither); the old one ran
+    # on to the next ")". Same answers wherever that does not matter: texts with one image.
+    alphabet = ["![", "[", "a", "]", "(", ")", "https://", "http://", "x.com/", "?", "&", "=", "!", "b"]
+    texts = [t for t in _random_texts(alphabet, 40_000, seed=11) if t.count("![") <= 1]
+    texts += ["![a](https://x.com/p?q=1)", "![](http://h/?a&b=c)", "![[x]](http://h/?a=1)", "![a](http://h/!x?a=1)"]
+    for text in texts:
+        assert bool(_QUERY_IMAGE.search(text)) == bool(_OLD_QUERY_IMAGE.search(text)), text
+
+
+def test_html_comments_are_read_as_the_lazy_regex_read_them() -> None:
+    from tether_security.untrusted import _html_comments
+
+    old = re.compile(r"(?s)<!--(.*?)-->")
+    for text in _random_texts(["<!--", "-->", "<!-", "--", ">", "a", "\n", "<"], 20_000, seed=3):
+        assert _html_comments(text) == old.findall(text), text

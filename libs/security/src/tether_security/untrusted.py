@@ -82,8 +82,13 @@ class InjectionDetector(Protocol):
         ...
 
 
-_EMAIL = r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}"
-_URL = r"(?:https?|ftp)://[^\s<>\"']+|\b[a-z0-9-]+\.(?:com|net|org|io|ru|cn|xyz|top|site|online|dev|app)/\S*"
+# The lookbehinds make a match start where a run of its characters starts: without them every
+# position of a long run (a hex dump) was tried and the scan was quadratic in the run's length.
+# A markdown image's "![alt](": the alt text holds no other "![", so each start is scanned only up
+# to the next one (the last "![" before a "](" matches wherever an earlier one would have).
+_IMAGE_OPEN = r"!\[(?:[^\]!]|!(?!\[))*\]\("
+_EMAIL = r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}"
+_URL = r"(?:https?|ftp)://[^\s<>\"']+|(?<![a-z0-9-])[a-z0-9-]+\.(?:com|net|org|io|ru|cn|xyz|top|site|online|dev|app)/\S*"
 # Things worth stealing; generic nouns ("files", "data") only with a determiner ("the files", "all data").
 _SENSITIVE = (r"(?:secrets?|passwords?|credentials?|api[ _-]?keys?|access keys?|tokens?|private keys?|ssh keys?|"
               r"~/\.ssh|\.ssh\b|\.env\b|env(?:ironment)? variables|cookies?|session (?:ids?|tokens?)|conversation|"
@@ -134,13 +139,30 @@ _EXFIL_VERB = re.compile(
     r"attach|encode|embed|fetch|visit|navigate to|open|load|render)\b"
 )
 _EXFIL_OBJECT = re.compile(rf"\b{_SENSITIVE}\b")
-_DESTINATION = re.compile(rf"{_EMAIL}|{_URL}|!\[[^\]]*\]\(|\bwebhook\b|\bpastebin\b|\brequestbin\b|\bngrok\b")
+_DESTINATION = re.compile(rf"{_EMAIL}|{_URL}|{_IMAGE_OPEN}|\bwebhook\b|\bpastebin\b|\brequestbin\b|\bngrok\b")
 _HIDDEN_HTML = re.compile(
     r"(?is)style\s*=\s*[\"'][^\"']*(?:display\s*:\s*none|visibility\s*:\s*hidden|font-size\s*:\s*0|opacity\s*:\s*0"
     r"(?:\.0+)?\s*[;\"']|color\s*:\s*(?:#fff(?:fff)?|white|transparent)\b|left\s*:\s*-\d{3,}px|height\s*:\s*0)|"
-    r"<[^>]+\bhidden\b[^>]*>|aria-hidden\s*=\s*[\"']true"
+    r"<[^<>]*\bhidden\b[^<>]*>|aria-hidden\s*=\s*[\"']true"
 )
-_HTML_COMMENT = re.compile(r"(?s)<!--(.*?)-->")
+# A markdown image whose URL carries a query. The URL stops at whitespace and at the next "![" (a
+# URL has neither), and its part before the first "?"/"&" cannot hold one, so no start is scanned
+# past the next.
+_QUERY_IMAGE = re.compile(_IMAGE_OPEN + r"https?://(?:[^)\s?&!]|!(?!\[))*[?&](?:[^)\s!]|!(?!\[))*=")
+
+
+def _html_comments(text: str) -> list[str]:
+    """The bodies of closed HTML comments, in order. A loop of str.find, not a lazy regex: a text
+    of many "<!--" and no "-->" made `<!--(.*?)-->` rescan the rest of the text from each one."""
+    bodies: list[str] = []
+    start = text.find("<!--")
+    while start != -1:
+        end = text.find("-->", start + 4)
+        if end == -1:
+            break  # unclosed: no later "<!--" can close either
+        bodies.append(text[start + 4:end])
+        start = text.find("<!--", end + 3)
+    return bodies
 
 
 def _normalise(text: str) -> str:
@@ -174,7 +196,7 @@ class HeuristicInjectionDetector:
             weights[flag] = max(weights.get(flag, 0.0), weight)
 
         hidden = _decode_tag_chars(text)
-        comments = " ".join(_HTML_COMMENT.findall(text))
+        comments = " ".join(_html_comments(text))
         normalised = _normalise(html.unescape(text) + (" " + hidden if hidden else ""))
         for flag, weight, pattern in _PHRASES:
             if pattern.search(normalised):
@@ -182,7 +204,7 @@ class HeuristicInjectionDetector:
         for sentence in re.split(r"(?<=[.!?\n])\s", normalised):
             if _EXFIL_VERB.search(sentence) and _EXFIL_OBJECT.search(sentence) and _DESTINATION.search(sentence):
                 hit(InjectionFlag.EXFILTRATION, 0.6)
-            elif _DESTINATION.search(sentence) and re.search(r"!\[[^\]]*\]\(https?://[^)]*[?&][^)]*=", sentence):
+            elif _DESTINATION.search(sentence) and _QUERY_IMAGE.search(sentence):
                 # A markdown image whose URL carries a query: the classic zero-click exfiltration channel.
                 hit(InjectionFlag.EXFILTRATION, 0.5)
 
