@@ -20,6 +20,7 @@ from tether_messaging.loop import LoopConfig, ProcessorLoop
 from tether_messaging.processor import Context, Inbound
 from tether_messaging.serde import decode_envelope, encode, open_payload
 from tether_messaging.topics import Topics
+from tether_testing.kafka import latest_values
 
 # The exactly-once checker of the kill tests (a sibling file, run there as a process).
 _spec = importlib.util.spec_from_file_location("eos_processor", Path(__file__).with_name("eos_processor.py"))
@@ -72,23 +73,7 @@ class AbortsOnce(eos_processor.EosProcessor):
 
 
 def _latest_changelog(bootstrap: str, topic: str) -> dict[bytes, bytes | None]:
-    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic}.check", "enable.partition.eof": True,
-                       "isolation.level": "read_committed", "enable.auto.commit": False})
-    reader.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
-    latest: dict[bytes, bytes | None] = {}
-    at_end: set[int] = set()
-    deadline = time.monotonic() + 30
-    while len(at_end) < PARTITIONS and time.monotonic() < deadline:
-        msg = reader.poll(0.2)
-        if msg is None:
-            continue
-        if msg.error():
-            if msg.error().code() == KafkaError._PARTITION_EOF:
-                at_end.add(msg.partition())
-            continue
-        latest[msg.key()] = msg.value()
-    reader.close()
-    return latest
+    return latest_values(bootstrap, topic, PARTITIONS)
 
 
 class _Faulty(Producer):

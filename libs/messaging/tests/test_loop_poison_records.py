@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
 from pydantic import BaseModel
 
@@ -25,6 +25,7 @@ from tether_messaging.loop import LoopConfig, ProcessorLoop
 from tether_messaging.processor import Context, Inbound, PydanticStateCodec, TickContext, WorkDone
 from tether_messaging.serde import decode_envelope, encode, open_payload
 from tether_messaging.topics import Topics
+from tether_testing.kafka import latest_values
 
 NAME = "oversized"
 PARTITIONS = 2
@@ -115,23 +116,7 @@ def _read(bootstrap: str, topic: str, expect: int, stop_early: list, timeout_s: 
 
 
 def _latest_changelog(bootstrap: str, topic: str) -> dict[bytes, bytes | None]:
-    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic}.check", "enable.partition.eof": True,
-                       "isolation.level": "read_committed", "enable.auto.commit": False})
-    reader.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
-    latest: dict[bytes, bytes | None] = {}
-    at_end: set[int] = set()
-    deadline = time.monotonic() + 30
-    while len(at_end) < PARTITIONS and time.monotonic() < deadline:
-        msg = reader.poll(0.2)
-        if msg is None:
-            continue
-        if msg.error():
-            if msg.error().code() == KafkaError._PARTITION_EOF:
-                at_end.add(msg.partition())
-            continue
-        latest[msg.key()] = msg.value()
-    reader.close()
-    return latest
+    return latest_values(bootstrap, topic, PARTITIONS)
 
 
 @pytest.mark.integration

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from tether_testing.names import unique_name
@@ -64,3 +64,27 @@ class KafkaTopics:
             if time.monotonic() > deadline:
                 raise TopicNotReady(f"waited {_TIMEOUT_S:.0f}s for {what} on {self.bootstrap}")
             time.sleep(0.1)
+
+
+def latest_values(bootstrap: str, topic: str, partitions: int, *, timeout_s: float = 30.0) -> dict[bytes, bytes | None]:
+    """The last committed value of each key of `topic` (a changelog's current states; None for a
+    tombstone), read from offset 0 to the end of every partition (read_committed)."""
+    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic}.check", "enable.partition.eof": True,
+                       "isolation.level": "read_committed", "enable.auto.commit": False})
+    reader.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    latest: dict[bytes, bytes | None] = {}
+    at_end: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(at_end) < partitions and time.monotonic() < deadline:
+            msg = reader.poll(0.2)
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    at_end.add(msg.partition())
+                continue
+            latest[msg.key()] = msg.value()
+    finally:
+        reader.close()
+    return latest
