@@ -21,6 +21,7 @@ from tether_messaging.processor import Context, Inbound
 from tether_messaging.serde import decode_envelope, encode, open_payload
 from tether_messaging.topics import Topics
 from tether_testing.kafka import latest_values
+from tether_testing.loops import LoopThread
 
 # The exactly-once checker of the kill tests (a sibling file, run there as a process).
 _spec = importlib.util.spec_from_file_location("eos_processor", Path(__file__).with_name("eos_processor.py"))
@@ -124,34 +125,24 @@ def test_an_aborted_batch_is_rolled_back_and_its_inputs_handled_again_exactly_on
     loop = ProcessorLoop(processor, LoopConfig(bootstrap=kafka_bootstrap, topics=topics))
     aborted_before = loop_mod.BATCHES.labels("eos", "aborted")._value.get()
     replaced_before = loop_mod.PRODUCERS_REPLACED.labels("eos")._value.get()
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            loop.run(stop)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    running = LoopThread(loop)
+    running.start()
     reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{topic_prefix}reader",
                        "isolation.level": "read_committed", "enable.auto.commit": False})
     reader.assign([TopicPartition(topics.run_events, p, 0) for p in range(PARTITIONS)])
     outputs: list = []
     try:
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not errors:
+        while time.monotonic() < deadline and not running.errors:
             if len(outputs) >= TOTAL:
                 deadline = min(deadline, time.monotonic() + 1.0)  # a duplicate would show up by then
             msg = reader.poll(0.2)
             if msg is not None and not msg.error():
                 outputs.append((msg.partition(), msg.offset(), decode_envelope(msg.value())))
     finally:
-        stop.set()
-        thread.join(60)
+        running.stop()
         reader.close()
-    assert not errors, errors
+    assert not running.errors, running.errors
 
     assert processor.poisoned == {f"run-{r}" for r in range(RUNS)}
     assert not loop._poison  # a transient produce error is retried, never taken for a poison record

@@ -16,6 +16,7 @@ from tether_messaging.loop import LoopConfig, ProcessorLoop
 from tether_messaging.processor import Context, Inbound, TickContext, WorkDone
 from tether_messaging.serde import encode
 from tether_messaging.topics import Topics
+from tether_testing.loops import LoopThread
 
 REMAINING = Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)
 
@@ -91,26 +92,17 @@ def test_the_quiet_tenants_work_runs_after_at_most_one_more_of_the_flood(kafka_b
     processor = RecordsWorkOrder(topics, flood + 1)
     loop = ProcessorLoop(processor, LoopConfig(bootstrap=kafka_bootstrap, topics=topics, work_threads=1,
                                                batch_max_messages=10))
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            loop.run(stop)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    running = LoopThread(loop)
+    running.start()
     try:
         deadline = time.monotonic() + 90
-        while not processor.done.is_set() and time.monotonic() < deadline and not errors:
+        while not processor.done.is_set() and time.monotonic() < deadline and not running.errors:
             processor.done.wait(0.2)
     finally:
-        stop.set()
+        running.stop_event.set()
         processor.release.set()
-        thread.join(60)
-    assert not errors, errors
+        running.stop()
+    assert not running.errors, running.errors
     assert processor.done.is_set(), f"only {len(processor.ran)} of {flood + 1} work items ran"
     # The first noisy item held the only worker until every other item waited (the inputs came
     # in batches of at most 10, so the quiet one was queued behind 59 noisy ones). Then the fair

@@ -8,7 +8,6 @@ which produced the same oversized record again: forever, the partition stuck beh
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections import defaultdict
 
@@ -26,6 +25,7 @@ from tether_messaging.processor import Context, Inbound, PydanticStateCodec, Tic
 from tether_messaging.serde import decode_envelope, encode, open_payload
 from tether_messaging.topics import Topics
 from tether_testing.kafka import latest_values
+from tether_testing.loops import LoopThread
 
 NAME = "oversized"
 PARTITIONS = 2
@@ -151,27 +151,17 @@ def test_an_output_or_checkpoint_too_large_dead_letters_its_input_and_the_partit
     loop = ProcessorLoop(processor, LoopConfig(bootstrap=kafka_bootstrap, topics=topics, transactional=transactional,
                                                batch_max_ms=20))
     dead_before = {reason: loop_mod.DEAD_LETTERS.labels(NAME, reason)._value.get() for reason in POISON.values()}
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            loop.run(stop)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    running = LoopThread(loop)
+    running.start()
     expected_outputs = RUNS * INPUTS_PER_RUN - len(POISON)
     try:
         # Without the fix the loop replays the poison records' batches forever: bounded here.
-        outputs = _read(kafka_bootstrap, topics.run_events, expected_outputs, errors, timeout_s=60)
-        dead = _read(kafka_bootstrap, topics.dead_letters, len(POISON), errors, timeout_s=30)
+        outputs = _read(kafka_bootstrap, topics.run_events, expected_outputs, running.errors, timeout_s=60)
+        dead = _read(kafka_bootstrap, topics.dead_letters, len(POISON), running.errors, timeout_s=30)
     finally:
-        stop.set()
-        thread.join(60)
-    assert not errors, errors
-    assert not thread.is_alive()
+        running.stop()
+    assert not running.errors, running.errors
+    assert not running.is_alive()
 
     # Each poison input was dead-lettered once, with its reason, naming the topic and size of
     # what could not be produced (not its content), and its original value, key and partition.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from tether_messaging.processor import Context, Inbound, TickContext, WorkDone
 from tether_messaging.registry import RegistryCodec, SchemaRegistryClient, value_subject
 from tether_messaging.serde import SingleObjectCodec, UnknownSchemaId, decode_envelope, open_payload
 from tether_messaging.topics import Topics
+from tether_testing.loops import LoopThread
 
 REMAINING = Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)
 
@@ -55,32 +55,22 @@ def test_loop_uses_the_registry_wire_format_when_configured(kafka_bootstrap, top
     assert producer.flush(30) == 0
 
     loop = ProcessorLoop(Echo(topics), LoopConfig(bootstrap=kafka_bootstrap, topics=topics, schema_registry_url=url))
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            loop.run(stop)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    running = LoopThread(loop)
+    running.start()
     raw: list[bytes] = []
     reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{topic_prefix}reader",
                        "isolation.level": "read_committed", "enable.auto.commit": False})
     reader.assign([TopicPartition(topics.run_events, 0, 0)])
     try:
         deadline = time.monotonic() + 90
-        while len(raw) < 2 and time.monotonic() < deadline and not errors:
+        while len(raw) < 2 and time.monotonic() < deadline and not running.errors:
             msg = reader.poll(0.2)
             if msg is not None and not msg.error():
                 raw.append(msg.value())
     finally:
-        stop.set()
-        thread.join(60)
+        running.stop()
         reader.close()
-    assert not errors, errors
+    assert not running.errors, running.errors
     assert len(raw) == 2, "the loop did not echo both inputs"
     registered = state.subjects[value_subject(topics.run_events)]
     for value in raw:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 
 import pytest
@@ -17,6 +16,7 @@ from tether_messaging.loop import LoopConfig, ProcessorLoop
 from tether_messaging.processor import Context, Inbound, TickContext, WorkDone
 from tether_messaging.serde import decode_envelope, encode
 from tether_messaging.topics import Topics
+from tether_testing.loops import LoopThread
 
 REMAINING = Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)
 #: Far longer than the test waits for the output: only a wake-up by the finished work delivers it in time.
@@ -70,18 +70,9 @@ def test_finished_work_is_delivered_while_the_loop_waits_in_a_long_poll(kafka_bo
     declare_topics(kafka_bootstrap, 1, ["wake"], prefix=topic_prefix)
     loop = ProcessorLoop(SlowEcho(topics), LoopConfig(bootstrap=kafka_bootstrap, topics=topics,
                                                       tick_interval_ms=QUIET_POLL_MS))
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            loop.run(stop)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
+    running = LoopThread(loop)
     counts_before = _hop_counts("wake")
-    thread.start()
+    running.start()
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
     reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{topic_prefix}reader",
                        "isolation.level": "read_committed", "enable.auto.commit": False})
@@ -89,9 +80,9 @@ def test_finished_work_is_delivered_while_the_loop_waits_in_a_long_poll(kafka_bo
     outputs: list[str] = []
     try:
         deadline = time.monotonic() + 60
-        while not loop.ready and not errors and time.monotonic() < deadline:
+        while not loop.ready and not running.errors and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert loop.ready, errors
+        assert loop.ready, running.errors
         # From now on an idle poll blocks for a minute (the assignment, which a blocking poll
         # would also sit on, is done); the loop reads its config at every wait.
         loop.config = dataclasses.replace(loop.config, idle_poll_ms=QUIET_POLL_MS)
@@ -103,12 +94,12 @@ def test_finished_work_is_delivered_while_the_loop_waits_in_a_long_poll(kafka_bo
             if msg is not None and not msg.error():
                 outputs.append(decode_envelope(msg.value()).causation_id)
     finally:
-        stop.set()
+        running.stop_event.set()
         _produce(producer, topics.commands, 2)  # ends the loop's long poll, so it sees `stop`
-        thread.join(60)
+        running.stop()
         reader.close()
-    assert not errors, errors
-    assert not thread.is_alive()
+    assert not running.errors, running.errors
+    assert not running.is_alive()
     assert outputs == ["in:1"], "the finished work waited for the loop's next input or tick"
     # The hop's time was recorded piece by piece (docs/loop.md, "Latency of a hop"): the input's
     # age when taken, the handling and commit of both batches, the work's wait for a worker
