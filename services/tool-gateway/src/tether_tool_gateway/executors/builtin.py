@@ -10,7 +10,7 @@ import smtplib
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from email.message import EmailMessage
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any, TypeVar
@@ -158,17 +158,23 @@ def http_get(request: ExecutionRequest, config: dict[str, Any], secrets: SecretP
     raise ToolError("TOOL_ERROR", f"more than {MAX_REDIRECTS} redirects")
 
 
-def _read_capped(response: httpx.Response, max_body: int, deadline: float) -> tuple[bytes, bool]:
-    """The body up to `max_body` bytes (and whether it was cut); TIMEOUT once time.monotonic()
-    passes `deadline`: httpx's read timeout is per chunk, so a server dripping bytes would
-    otherwise hold the execution thread for as long as it likes."""
-    chunks: list[bytes] = []
-    size = 0
+def body_chunks(response: httpx.Response, deadline: float, what: str) -> Iterator[bytes]:
+    """The response body's chunks as they arrive; TIMEOUT once time.monotonic() passes `deadline`:
+    httpx's read timeout is per chunk, so a server dripping bytes would otherwise hold the
+    execution thread for as long as it likes. `what` names the body in the error."""
     for chunk in response.iter_bytes():
         if time.monotonic() > deadline:
             response.close()
-            raise ToolError("TIMEOUT", "the page did not arrive in time (the server was still sending)",
+            raise ToolError("TIMEOUT", f"{what} did not arrive in time (the server was still sending)",
                             retryable=True)
+        yield chunk
+
+
+def _read_capped(response: httpx.Response, max_body: int, deadline: float) -> tuple[bytes, bool]:
+    """The body up to `max_body` bytes (and whether it was cut), by `deadline` (`body_chunks`)."""
+    chunks: list[bytes] = []
+    size = 0
+    for chunk in body_chunks(response, deadline, "the page"):
         chunks.append(chunk)
         size += len(chunk)
         if size > max_body:

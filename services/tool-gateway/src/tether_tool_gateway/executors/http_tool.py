@@ -24,7 +24,7 @@ import httpx
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential_jitter
 
 from tether_tool_gateway.domain.errors import EgressDenied, InvalidToolResult, ToolError
-from tether_tool_gateway.executors.builtin import _config, _headers, _tls
+from tether_tool_gateway.executors.builtin import _config, _headers, _tls, body_chunks
 from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
 
 DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
@@ -72,18 +72,13 @@ def _short_body(data: bytes) -> str:
 
 def _read_capped(response: httpx.Response, cap: int, deadline: float) -> bytes:
     """The body, read as a stream; stops reading (and fails) as soon as it passes `cap` bytes, or
-    with TIMEOUT once time.monotonic() passes `deadline`: httpx's read timeout is per chunk, so a
-    service dripping bytes would otherwise hold the execution thread for as long as it likes."""
+    at `deadline` (`body_chunks`)."""
     declared = response.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
         raise ToolError("OVERSIZED_RESULT", f"the tool service announced {declared} bytes; the limit is {cap}")
     size = 0
     chunks: list[bytes] = []
-    for chunk in response.iter_bytes():
-        if time.monotonic() > deadline:
-            response.close()
-            raise ToolError("TIMEOUT", "the tool service's answer did not arrive in time (still sending)",
-                            retryable=True)
+    for chunk in body_chunks(response, deadline, "the tool service's answer"):
         size += len(chunk)
         if size > cap:
             raise ToolError("OVERSIZED_RESULT", f"the tool service sent more than {cap} bytes")
