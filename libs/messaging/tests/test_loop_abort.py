@@ -39,6 +39,8 @@ POISON_INPUT = 8
 #: transaction already failed by a delivery error) instead of producing it.
 FAILING_TOPIC = "fails-once"
 REMAINING = Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)
+#: Marks the abort failure `_Faulty` injects, to tell it apart from librdkafka's own (see below).
+INJECTED = "(injected by the test)"
 
 
 class AbortsOnce(eos_processor.EosProcessor):
@@ -97,7 +99,7 @@ class _Faulty(Producer):
             type(self).failures_left -= 1
             raise KafkaException(KafkaError(
                 KafkaError.INVALID_TXN_STATE,
-                "Failed to end transaction: Broker: Producer attempted a transactional operation in an invalid state",
+                f"Failed to end transaction: Broker: Producer attempted a transactional operation in an invalid state {INJECTED}",
                 fatal=True))
         super().abort_transaction(*args)
 
@@ -125,6 +127,9 @@ def test_an_aborted_batch_is_rolled_back_and_its_inputs_handled_again_exactly_on
     loop = ProcessorLoop(processor, LoopConfig(bootstrap=kafka_bootstrap, topics=topics))
     aborted_before = loop_mod.BATCHES.labels("eos", "aborted")._value.get()
     replaced_before = loop_mod.PRODUCERS_REPLACED.labels("eos")._value.get()
+    replacing: list[str] = []  # why each producer replacement happened
+    replace = loop._replace_producer
+    monkeypatch.setattr(loop, "_replace_producer", lambda why: (replacing.append(why), replace(why=why))[1])
     running = LoopThread(loop)
     running.start()
     reader = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{topic_prefix}reader",
@@ -148,7 +153,16 @@ def test_an_aborted_batch_is_rolled_back_and_its_inputs_handled_again_exactly_on
     assert not loop._poison  # a transient produce error is retried, never taken for a poison record
     assert loop_mod.BATCHES.labels("eos", "aborted")._value.get() >= aborted_before + 1, "no batch was aborted"
     replaced = loop_mod.PRODUCERS_REPLACED.labels("eos")._value.get() - replaced_before
-    assert replaced == (1 if abort_fails else 0)
+    # The injected abort failure replaced the producer exactly once. librdkafka's own abort can
+    # also fail with a fatal INVALID_TXN_STATE after a produce error (confluentinc/librdkafka#4849:
+    # CI at 2ccb3f8 saw the replacement producer do it, a second replacement, all outputs still
+    # exactly once): those are the real failure this recovery exists for and are allowed, each
+    # one a replacement with librdkafka's reason, never a silent one.
+    injected = [why for why in replacing if INJECTED in why]
+    genuine = [why for why in replacing if INJECTED not in why]
+    assert len(injected) == (1 if abort_fails else 0), replacing
+    assert all("invalid state" in why for why in genuine), genuine
+    assert replaced == len(replacing)
     # Nothing of an aborted transaction is visible, and every input has exactly one output, in
     # order, numbered without gaps by the run's checkpointed counter (the aborted batch's
     # counter increments were rolled back, not carried into the replay).
