@@ -65,3 +65,13 @@ def test_another_approver_role_is_refused_at_start_up(monkeypatch: pytest.Monkey
         ApprovalSettings()
     monkeypatch.setenv("TETHER_APPROVAL_APPROVER_ROLE", ROLE_APPROVER)
     assert ApprovalSettings().approver_role == ROLE_APPROVER
+
+
+def test_run_api_s_old_name_alone_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Alone it made run-api accept a self-approval the approval service (which does not read it)
+    # then refused: the call waited until its approval expired.
+    monkeypatch.setenv("TETHER_RUN_API_FORBID_SELF_APPROVAL", "false")
+    with pytest.raises(ValidationError, match="TETHER_FORBID_SELF_APPROVAL"):
+        RunApiSettings()
+    assert ApprovalSettings().forbid_self_approval is True
+

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, Field
+import os
+
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from tether_runtime.settings import ServiceSettings
 
 MIB = 1024 * 1024
+SELF_APPROVAL_NAME = "TETHER_FORBID_SELF_APPROVAL"
+OLD_SELF_APPROVAL_NAME = "TETHER_RUN_API_FORBID_SELF_APPROVAL"
 
 
 class RunApiSettings(ServiceSettings):
@@ -51,11 +55,23 @@ class RunApiSettings(ServiceSettings):
     redeliver_interval_s: float = Field(5.0, gt=0, description="How often the sweeper looks for them.")
     forbid_self_approval: bool = Field(
         True,
-        validation_alias=AliasChoices("TETHER_FORBID_SELF_APPROVAL"),
+        validation_alias=AliasChoices(SELF_APPROVAL_NAME),
         description="Refuse an approval by the run's own submitter (rejecting stays allowed). One variable for "
         "run-api and the approval service, which must agree: run-api would answer APPROVED for what the approval "
         "service then refuses, and the call would wait until it expired. The old per-service name "
-        "TETHER_RUN_API_FORBID_SELF_APPROVAL is still read when the shared one is unset (deprecated: set alone, "
-        "it can make the two disagree).",
+        "TETHER_RUN_API_FORBID_SELF_APPROVAL is refused at start-up unless the shared one is set too (which wins): "
+        "alone it made run-api accept self-approvals the approval service refused.",
     )
     declare_topics: bool = Field(True, description="Declare Tether's topics at start-up (idempotent).")
+
+    @model_validator(mode="after")
+    def _refuse_the_old_self_approval_name_alone(self) -> RunApiSettings:
+        # populate_by_name makes pydantic-settings read the prefixed field name as well. Set alone,
+        # TETHER_RUN_API_FORBID_SELF_APPROVAL=false would make run-api accept a self-approval that
+        # the approval service (which does not read it) then refuses, leaving the call to expire.
+        if OLD_SELF_APPROVAL_NAME in os.environ and SELF_APPROVAL_NAME not in os.environ:
+            raise ValueError(
+                f"{OLD_SELF_APPROVAL_NAME} is no longer read on its own: set {SELF_APPROVAL_NAME}, "
+                "which run-api and the approval service share"
+            )
+        return self
