@@ -81,7 +81,15 @@ class Harness:
     """Drives one planner processor. Log events are made as the budget would seal them
     (sequence numbers per run); the planner's own intake events can be echoed back sequenced."""
 
-    def __init__(self, server: ModelServer, *, stream: bool = False, malformed_limit: int = 3, max_attempts: int = 3) -> None:
+    def __init__(
+        self,
+        server: ModelServer,
+        *,
+        stream: bool = False,
+        malformed_limit: int = 3,
+        max_attempts: int = 3,
+        state_max_bytes: int = StepConfig().state_max_bytes,
+    ) -> None:
         self.server = server
         self.registry = CollectorRegistry()
         retry = RetryPolicy(max_attempts=max_attempts, backoff_initial_s=0.01, backoff_max_s=0.05, retry_after_max_s=1)
@@ -96,7 +104,7 @@ class Harness:
             topics=Topics(),
             providers=providers,
             pricing=PricingTable(),
-            step_config=StepConfig(stream=stream, malformed_limit=malformed_limit),
+            step_config=StepConfig(stream=stream, malformed_limit=malformed_limit, state_max_bytes=state_max_bytes),
             limits=Limits(),
             metrics=PlannerMetrics(self.registry),
             scrub=Scrubber([API_KEY]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 from tether_contracts.records import (
     ModelCallCompleted,
@@ -17,6 +18,7 @@ from tether_contracts.records import (
 from tether_messaging.envelopes import derived_id
 from tether_planner.domain.canonical import args_hash, idem_key
 from tether_planner.pricing import PricingTable
+from tether_planner.step import StepConfig
 from tether_security import OpenedEnvelope, open_envelope
 
 
@@ -448,6 +450,87 @@ def test_context_overflow_with_nothing_to_compact_fails_the_step(harness) -> Non
     out = h.step(run, 1)
     assert _types(out) == ["ModelCallFailed"]
     assert out[0].error_code == "CONTEXT_OVERFLOW"
+
+
+# -- the checkpoint's byte bound, after every record ---------------------------------------------
+
+
+def _checkpoint_bytes(h, run: str) -> int:
+    state = h.driver.states.get(run)
+    return 0 if state is None else len(h.processor.state_codec.encode(state))
+
+
+def test_every_checkpoint_stays_under_the_byte_bound_between_step_starts(make_harness) -> None:
+    # Step 1 fetches an index (a 6 KB result), step 2 answers at length with 24 calls whose results
+    # are poorly compressible 3 KB pages: ~40 KB compressed, far over a 16 KiB bound that the
+    # context met when the step started. Every record checkpoints; no checkpoint may pass the bound.
+    bound = 16 * 1024
+    h, run = make_harness(state_max_bytes=bound), "run-bulky"
+    rng = random.Random(11)
+    sizes = []
+
+    def record(what) -> list:
+        out = what()
+        sizes.append(_checkpoint_bytes(h, run))
+        assert sizes[-1] <= bound, sizes
+        return out
+
+    def step(n: int) -> list:
+        record(lambda: h.grant(run, n))
+        out = record(h.work)
+        for payload in out:
+            record(lambda payload=payload: h.log(run, payload))
+        return out
+
+    record(lambda: h.accept(run, "[t:bulky] archive"))
+    index = step(1)[1]
+    record(lambda: h.complete(run, index, {"status": 200, "body": rng.randbytes(3000).hex()}, untrusted=True))
+    out = step(2)
+    assert _types(out) == ["ModelCallCompleted", *["ToolCallRequested"] * 24]
+    for request in out[1:]:
+        page = {"status": 200, "body": rng.randbytes(1500).hex()}
+        record(lambda request=request, page=page: h.complete(run, request, page, untrusted=True))
+    assert max(sizes) > bound * 3 // 4
+
+    # Step 1's turn was compacted; step 2's turn, whose calls awaited their results, stays verbatim,
+    # so what did not fit came off its results (room kept for those still to come).
+    messages = h.driver.states[run].messages
+    assert messages[1].content.startswith("[tether:compacted assistant_turns=1 tool_results=1]")
+    tools = [m for m in messages if m.role == "tool"]
+    assert [m.call_id for m in tools] == [f"2.{i}" for i in range(24)]
+    envelopes = [open_envelope(m.content) for m in tools]
+    shortened = [e for e in envelopes if e.attributes["truncated"] == "true"]
+    assert shortened and h.metric("tether_planner_tool_results_shortened_total") == len(shortened)
+    assert all(len(e.content) < 3000 < int(e.attributes["chars"]) for e in shortened)
+
+    # The run goes on: the next step plans with the compacted context and ends the run.
+    out = step(3)
+    assert _types(out) == ["ModelCallCompleted", "RunCompleted"]
+    assert out[1].answer == "final after 2 turns"
+    sent = _messages(h.requests(run)[-1])
+    assert sent[1]["content"] == "[t:bulky] archive"
+    assert sent[2]["role"] == "user" and sent[2]["content"].startswith("[tether:compacted assistant_turns=1")
+    assert sum(1 for m in sent if m["role"] == "tool") == 24
+
+
+def test_a_record_far_under_the_bound_does_not_encode_the_state(harness, monkeypatch) -> None:
+    # The running estimate (last size + the new messages) decides; the whole state is encoded and
+    # compressed only near the bound.
+    import tether_planner.checkpoint as checkpoint
+
+    measured = []
+    real = checkpoint.measure
+    monkeypatch.setattr(checkpoint, "measure", lambda state, limit: measured.append(1) or real(state, limit))
+    h, run = harness, "run-estimate"
+    h.accept(run, "[t:happy] estimate")
+    assert len(measured) == 1  # a new run: nothing to estimate from
+    requests = h.step(run, 1)[1:]
+    for request in requests:
+        h.complete(run, request, {"ok": True})
+    state = h.driver.states[run]
+    assert len(h.processor.state_codec.encode(state)) <= state.checkpoint_bound <= StepConfig().state_max_bytes
+    assert _types(h.step(run, 2)) == ["ModelCallCompleted", "RunCompleted"]
+    assert len(measured) == 1
 
 
 # -- Anthropic --------------------------------------------------------------------------------------

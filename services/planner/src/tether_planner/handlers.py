@@ -35,10 +35,12 @@ from tether_contracts.records import (
 from tether_messaging.envelopes import derived_id
 from tether_messaging.processor import Context, Inbound, WorkDone
 from tether_messaging.topics import Topics
+from tether_planner.checkpoint import StateBound, fit, limit, measure
 from tether_planner.domain import state as st
 from tether_planner.domain.canonical import args_hash, call_id, idem_key
 from tether_planner.domain.messages import ToolCallRef, UsageTotals
 from tether_planner.domain.redaction import Scrubber
+from tether_planner.domain.tool_results import ScanOnce
 from tether_planner.metrics import PlannerMetrics
 from tether_planner.pricing import PricingTable
 from tether_planner.providers.registry import ProviderRegistry
@@ -84,6 +86,31 @@ def _usage(u: UsageTotals) -> Usage:
     return Usage(input_tokens=u.input_tokens, output_tokens=u.output_tokens, cost_usd_micros=u.cost_usd_micros)
 
 
+def _put(
+    ctx: Context,
+    deps: Deps,
+    run_id: str,
+    before: st.RunState | None,
+    after: st.RunState,
+    *,
+    may_compact: bool = True,
+    awaiting: int = 0,
+) -> st.RunState:
+    """Checkpoint `after`, fitted to the state's byte bound (checkpoint.fit) so that what the record
+    added (an answer, a tool result) cannot make the checkpoint too large to produce."""
+    bound = _bound(deps)
+    fitted = fit(before, after, bound, may_compact=may_compact, run_id=run_id, awaiting=awaiting)
+    if fitted.checkpoint_bound > limit(bound, awaiting):
+        log.warning("state_over_budget_after_compaction", run_id=run_id, state_bytes=fitted.checkpoint_bound)
+    ctx.put_state(run_id, fitted)
+    return fitted
+
+
+def _bound(deps: Deps) -> StateBound:
+    c = deps.step_config
+    return StateBound(c.state_max_bytes, c.keep_turns, c.emergency_keep_turns, c.summary_max_chars)
+
+
 def _emit(ctx: Context, deps: Deps, payload: AvroRecord, run_id: str, state: st.RunState, what: tuple, cause: str) -> None:
     ctx.emit(
         deps.topics.run_intake,
@@ -105,7 +132,7 @@ def on_run_accepted(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
     accepted = msg.payload
     if not isinstance(accepted, RunAccepted):
         return
-    ctx.put_state(run_id, st.new_run(accepted, msg.envelope.tenant_id, msg.envelope.seq))
+    _put(ctx, deps, run_id, None, st.new_run(accepted, msg.envelope.tenant_id, msg.envelope.seq))
 
 
 def on_step_granted(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
@@ -134,8 +161,8 @@ def on_step_granted(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
             log.warning("grant_while_step_pending", run_id=run_id, step=granted.step, pending=state.pending.step)
             deps.metrics.skipped.labels("other_step_pending").inc()
             return
-        state = st.grant_step(state, granted, msg.envelope.event_id, msg.envelope.seq)
-        ctx.put_state(run_id, state)
+        # The step's work has not taken its snapshot yet: the context may still be compacted.
+        state = _put(ctx, deps, run_id, state, st.grant_step(state, granted, msg.envelope.event_id, msg.envelope.seq))
     if state.pending is not None and state.pending.step == granted.step:
         # Also for a re-delivered grant whose work never finished (a crash): start it again.
         _start_step(ctx, run_id, state, deps)
@@ -172,8 +199,34 @@ def on_tool_outcome(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
         return
     if not isinstance(outcome, (ToolCallCompleted, ToolCallFailed, ToolCallDenied, ToolCallOutcomeUnknown)):
         return
-    message = st.tool_result_message(state, outcome, max_chars=deps.limits.tool_result_max_chars)
-    ctx.put_state(run_id, st.record_tool_outcome(state, message, msg.envelope.seq))
+    bound, cap, scan = _bound(deps), deps.limits.tool_result_max_chars, ScanOnce()
+    message = st.tool_result_message(state, outcome, max_chars=cap, detector=scan)
+    after = st.record_tool_outcome(state, message, msg.envelope.seq)
+    # Room stays for the results still to come, so the last of a step's many results still fits.
+    awaiting = st.awaiting_results(after, outcome.call_id)
+    room = limit(bound, awaiting)
+    # Older turns are compacted, not the result's own (the model is to read it next); and not at
+    # all while a step's model work runs on a snapshot of the context.
+    fitted = fit(state, after, bound, may_compact=state.pending is None, run_id=run_id, awaiting=awaiting, keep_at_least=1)
+    shortened = False
+    while fitted.checkpoint_bound > room and cap > 1:
+        # Compaction keeps the turn awaiting these results verbatim (a call is never separated from
+        # its result), so what is over comes off this result: a shorter envelope marked truncated,
+        # the whole result staying in the run's log under the same call id.
+        over = fitted.checkpoint_bound - room
+        cap = max(1, cap // 2 if shortened else min(cap, len(message.content)) - over - 256)
+        shortened = True
+        message = st.tool_result_message(state, outcome, max_chars=cap, detector=scan)
+        fitted = st.record_tool_outcome(fitted, message, msg.envelope.seq)
+        fitted = fitted.model_copy(update={"checkpoint_bound": measure(fitted, room)})
+    if shortened:
+        deps.metrics.results_shortened.inc()
+        log.warning(
+            "tool_result_shortened", run_id=run_id, call_id=outcome.call_id, max_chars=cap, state_bytes=fitted.checkpoint_bound
+        )
+    if fitted.checkpoint_bound > room:
+        log.warning("state_over_budget_after_compaction", run_id=run_id, state_bytes=fitted.checkpoint_bound)
+    ctx.put_state(run_id, fitted)
 
 
 # The planner's own events come back sequenced (ModelCallCompleted, ToolCallRequested,
@@ -197,7 +250,8 @@ def on_model_call_completed(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
         output_tokens=event.usage.output_tokens,
         cost_usd_micros=event.usage.cost_usd_micros,
     )
-    ctx.put_state(run_id, st.record_model_call_seen(state, event.step, event.assistant_text, usage, msg.envelope.seq))
+    after = st.record_model_call_seen(state, event.step, event.assistant_text, usage, msg.envelope.seq)
+    _put(ctx, deps, run_id, state, after, may_compact=after.pending is None)
 
 
 def on_tool_call_requested(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
@@ -209,7 +263,7 @@ def on_tool_call_requested(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
     if st.has_tool_call(state, event.step, c.call_id):
         return  # an echo of a call already in the step's assistant message
     ref = ToolCallRef(id=c.provider_call_id or c.call_id, name=c.tool_name, arguments=c.args_json, call_id=c.call_id)
-    ctx.put_state(run_id, st.record_tool_call_seen(state, event.step, ref, msg.envelope.seq))
+    _put(ctx, deps, run_id, state, st.record_tool_call_seen(state, event.step, ref, msg.envelope.seq), may_compact=state.pending is None)
 
 
 def on_model_call_failed(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
@@ -219,7 +273,8 @@ def on_model_call_failed(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
         return
     if event.step <= state.done_step:
         return  # an echo: the step is done (and a later pending step is not this one)
-    ctx.put_state(run_id, st.record_step_failed_seen(state, event.step, msg.envelope.seq))
+    after = st.record_step_failed_seen(state, event.step, msg.envelope.seq)
+    _put(ctx, deps, run_id, state, after, may_compact=after.pending is None)
 
 
 def on_run_ended(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
@@ -365,8 +420,11 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
         )
     if state.ended:
         log.info("model_call_recorded_after_run_end", run_id=run_id, step=step)
-        new_state = None
-    ctx.put_state(run_id, new_state)
+        ctx.put_state(run_id, None)
+        return
+    # The step's answer and repairs joined the context: its checkpoint is fitted again, with room
+    # for the results of the calls it requested.
+    _put(ctx, deps, run_id, state, new_state, awaiting=st.awaiting_results(new_state))
 
 
 def _observe(result: StepResult, provider: str, model: str, deps: Deps) -> None:

@@ -34,6 +34,11 @@ class PlannerMetrics:
         self.compactions = Counter(
             "tether_planner_compactions_total", "Steps whose working context was compacted.", registry=registry
         )
+        self.results_shortened = Counter(
+            "tether_planner_tool_results_shortened_total",
+            "Tool results kept shorter than TOOL_RESULT_MAX_CHARS so the run's checkpoint fits STATE_MAX_BYTES.",
+            registry=registry,
+        )
         self.skipped = Counter(
             "tether_planner_skipped_total", "Inputs or work outcomes not acted on, by reason.", ["reason"], registry=registry
         )

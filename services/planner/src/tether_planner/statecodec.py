@@ -3,8 +3,9 @@
 A working context is mostly text (tool results, summaries) and can approach the context
 window in size, which for a 1M-token model is megabytes even compressed: more than Kafka's
 default 1,000,000-byte record limit, and a checkpoint that cannot be produced makes its input a
-poison record (dead-lettered: the run's step is lost). So the step also compacts on the
-checkpoint's size (`checkpoint_size`, against TETHER_PLANNER_STATE_MAX_BYTES), whatever the window.
+poison record (dead-lettered: the run's step is lost). So the planner also compacts on the
+checkpoint's size (`checkpoint_size`, against TETHER_PLANNER_STATE_MAX_BYTES), whatever the window,
+at the start of a step and after every record (tether_planner.checkpoint).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import structlog
 from pydantic import TypeAdapter
 
+from tether_planner.checkpoint import compact_to_fit
 from tether_planner.domain.canonical import call_id as make_call_id
 from tether_planner.domain.compaction import compact, estimate_tokens, over_threshold
 from tether_planner.domain.context import for_request
@@ -60,9 +61,9 @@ class StepConfig:
     emergency_keep_turns: int = 1
     summary_max_chars: int = 6000
     error_result_max_chars: int = 4000
-    #: Bound on the run's checkpoint (the encoded state) at the start of a step: a working context
-    #: over it is compacted whatever the model's window. Well under Kafka's 1,000,000-byte record
-    #: limit, leaving room for the step's answer and its tool results until the next step.
+    #: Bound on the run's checkpoint (the encoded state), at the start of a step and after every
+    #: record (checkpoint.fit): a working context over it is compacted whatever the model's
+    #: window. Under Kafka's 1,000,000-byte record limit.
     state_max_bytes: int = 512 * 1024
 
 
@@ -264,19 +265,19 @@ def run_step(
             log.info("context_compacted", run_id=inp.run_id, step=inp.step, estimated_tokens=estimated, replaced=c.replaced)
     # The context must also fit a checkpoint, whatever the window: keep fewer turns verbatim,
     # down to none, until it does.
-    for keep in (config.keep_turns, config.emergency_keep_turns, 0):
-        size = _checkpoint_size(inp, working, config.state_max_bytes)
-        if size <= config.state_max_bytes:
-            break
-        c = compact(working, keep_turns=keep, summary_max_chars=config.summary_max_chars)
-        if c is not None:
-            working = c.apply(working)
-            compacted = True
-            log.info("state_compacted", run_id=inp.run_id, step=inp.step, state_bytes=size, keep_turns=keep, replaced=c.replaced)
-    else:
-        size = _checkpoint_size(inp, working, config.state_max_bytes)
-        if size > config.state_max_bytes:
-            log.warning("state_over_budget_after_compaction", run_id=inp.run_id, step=inp.step, state_bytes=size)
+    fitted = compact_to_fit(
+        working,
+        lambda messages: _checkpoint_size(inp, messages, config.state_max_bytes),
+        max_bytes=config.state_max_bytes,
+        keep_turns=config.keep_turns,
+        emergency_keep_turns=config.emergency_keep_turns,
+        summary_max_chars=config.summary_max_chars,
+        run_id=inp.run_id,
+        step=inp.step,
+    )
+    working, compacted = fitted.messages, compacted or fitted.compacted
+    if fitted.size > config.state_max_bytes:
+        log.warning("state_over_budget_after_compaction", run_id=inp.run_id, step=inp.step, state_bytes=fitted.size)
 
     emergency_used = False
     failures = 0

@@ -20,6 +20,7 @@ from tether_contracts.records import (
 )
 from tether_planner.domain.messages import ChatMessage, PinnedModel, ToolCallRef, ToolView, UsageTotals
 from tether_planner.domain.tool_results import wrap_tool_result
+from tether_security import InjectionDetector
 
 LOOP_WARNING_PREFIX = "Platform note (loop detection): "
 
@@ -59,6 +60,9 @@ class RunState(BaseModel):
     #: The run ended (RunTerminated) while `pending`'s model call was in flight: only that call's
     #: outcome (its usage: it cost money) is still recorded, then the state goes.
     ended: bool = False
+    #: An upper bound on this state's checkpoint size in bytes, kept by the handlers so a record
+    #: need not encode the whole conversation to know its checkpoint fits (0: not known yet).
+    checkpoint_bound: int = 0
 
     def tool_map(self) -> dict[str, ToolView]:
         return {t.name: t for t in self.tools}
@@ -129,7 +133,9 @@ def _provider_call_id(state: RunState, call_id: str) -> str:
 ToolOutcome = ToolCallCompleted | ToolCallFailed | ToolCallDenied | ToolCallOutcomeUnknown
 
 
-def tool_result_message(state: RunState, outcome: ToolOutcome, *, max_chars: int) -> ChatMessage:
+def tool_result_message(
+    state: RunState, outcome: ToolOutcome, *, max_chars: int, detector: InjectionDetector | None = None
+) -> ChatMessage:
     """The tool message for a call's outcome, wrapped in a data envelope with provenance."""
     untrusted = False
     if isinstance(outcome, ToolCallCompleted):
@@ -159,6 +165,7 @@ def tool_result_message(state: RunState, outcome: ToolOutcome, *, max_chars: int
             content=content,
             untrusted=untrusted,
             max_chars=max_chars,
+            detector=detector,
         ),
         tool_call_id=_provider_call_id(state, outcome.call_id),
         tool_name=outcome.tool_name,
@@ -177,6 +184,15 @@ def record_tool_outcome(state: RunState, message: ChatMessage, seq: int | None) 
     else:
         messages.append(message)
     return state.model_copy(update={"messages": messages, "last_seq": state.after(seq)})
+
+
+def awaiting_results(state: RunState, call_id: str | None = None) -> int:
+    """Calls of the latest turn with tool calls (or of the turn that made `call_id`) still without a result."""
+    answered = {m.tool_call_id for m in state.messages if m.role == "tool"}
+    for m in reversed(state.messages):
+        if m.role == "assistant" and m.tool_calls and (call_id is None or any(c.call_id == call_id for c in m.tool_calls)):
+            return sum(1 for c in m.tool_calls if c.id not in answered)
+    return 0
 
 
 def record_model_call_seen(

@@ -12,7 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from tether_planner.domain.canonical import canonical_json
-from tether_security import open_envelope, wrap_untrusted
+from tether_security import (
+    HeuristicInjectionDetector,
+    InjectionDetector,
+    InjectionReport,
+    open_envelope,
+    wrap_untrusted,
+)
 
 
 def wrap_tool_result(
@@ -23,6 +29,7 @@ def wrap_tool_result(
     content: Any,
     untrusted: bool,
     max_chars: int,
+    detector: InjectionDetector | None = None,
 ) -> str:
     """The tool message content: the data envelope around the call's result or error facts.
 
@@ -32,8 +39,22 @@ def wrap_tool_result(
     """
     text = content if isinstance(content, str) else canonical_json(content)
     return wrap_untrusted(
-        text, source=tool_name, call_id=call_id, status=status, external=untrusted, max_chars=max_chars
+        text, source=tool_name, call_id=call_id, status=status, external=untrusted, max_chars=max_chars, detector=detector
     ).text
+
+
+class ScanOnce:
+    """The injection detector, remembering its last report: wrapping the same result again at a
+    smaller cap (to fit the state's byte bound) does not scan it again."""
+
+    def __init__(self, detector: InjectionDetector | None = None) -> None:
+        self._detector = detector or HeuristicInjectionDetector()
+        self._last: tuple[str, InjectionReport] | None = None
+
+    def scan(self, text: str) -> InjectionReport:
+        if self._last is None or self._last[0] != text:
+            self._last = (text, self._detector.scan(text))
+        return self._last[1]
 
 
 def envelope_content(message_content: str) -> tuple[str, str]:
