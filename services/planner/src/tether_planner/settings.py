@@ -57,9 +57,9 @@ class PlannerSettings(LoopServiceSettings):
         524_288,
         ge=65_536,
         le=900_000,
-        description="A run's working context is compacted at the start of a step when its checkpoint (compressed) would "
-        "exceed this, whatever the model's window; under Kafka's 1,000,000-byte record limit with room for a step's "
-        "tool results.",
+        description="Most bytes a run's checkpoint (compressed) may take, whatever the model's window: after every "
+        "record, older turns are compacted, then a tool result past it is shortened (its whole text stays in the "
+        "run log); under Kafka's 1,000,000-byte record limit.",
     )
 
     # -- records ------------------------------------------------------------------------------
