@@ -512,7 +512,7 @@ def test_an_ended_run_shrinks_to_a_tombstone_that_still_recognises_late_records(
     h.driver.now_ms += 60_000
     assert h.tick() == []
     ledger = h.ledger()
-    assert ledger.tombstoned and list(ledger.calls) == ["1.1"] and ledger.seen_event_ids == set()
+    assert ledger.tombstoned and list(ledger.calls) == ["1.1"] and not ledger.seen_event_ids
     assert h.done("1.0") == []  # late duplicate of a settled call
     assert _types(h.done("1.1")) == ["ToolCallCompleted"]  # the open call's outcome is still a fact
     assert h.done("1.1") == []

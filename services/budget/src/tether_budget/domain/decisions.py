@@ -24,6 +24,7 @@ from tether_budget.domain.ledger import (
     StepEntry,
     ToolFacts,
     args_hash,
+    capped_error,
 )
 from tether_budget.domain.loopguard import (
     Detection,
@@ -413,6 +414,7 @@ def _finish_step(ledger: Ledger, guard: LoopGuard, now_ms: int, tenant: TenantLe
     """Every call of the step has an outcome: look for a loop, then grant the next step or stop."""
     warned_before = ledger.loop.warned
     verdict, detection = guard.observe(ledger.loop, _sign_step(ledger))
+    ledger.fold_old_steps()
     if verdict is Verdict.TERMINATE and detection is not None:
         first = f" First warning: {warned_before.summary()}." if warned_before else ""
         detail = f"Loop detected after a warning: {detection.summary()}.{first}"
@@ -477,7 +479,7 @@ def _model_call_failed(
     ledger.add_usage(ev.usage)
     ledger.steps_done += 1
     cur.model_done, cur.tool_call_count = True, 0
-    ledger.last_error = f"step {ev.step} model call {ev.error_code}: {ev.detail}"
+    ledger.last_error = capped_error(f"step {ev.step} model call {ev.error_code}: {ev.detail}")
     reason = Reason.CONTEXT_OVERFLOW if ev.error_code == "CONTEXT_OVERFLOW" else Reason.MODEL_FAILED
     detail = f"the model call of step {ev.step} failed after {ev.attempts} attempt(s): {ev.error_code}"
     return Plan([APPEND]).extend(_terminate(ledger, reason, detail, now_ms))
@@ -552,10 +554,10 @@ def _record_outcome(ledger: Ledger, call: CallEntry, ev: Outcome) -> None:
         _finish_call(ledger, call, CallStatus.COMPLETED, observation=observation, error=None)
     elif isinstance(ev, ToolCallFailed):
         _finish_call(ledger, call, CallStatus.FAILED, observation=ev.detail, error=ev.error_code)
-        ledger.last_error = f"{call.call_id} {call.tool_name} failed {ev.error_code}: {ev.detail}"
+        ledger.last_error = capped_error(f"{call.call_id} {call.tool_name} failed {ev.error_code}: {ev.detail}")
     else:
         _finish_call(ledger, call, CallStatus.DENIED, observation=ev.detail, error=f"denied:{ev.reason_code}")
-        ledger.last_error = f"{call.call_id} {call.tool_name} denied {ev.reason_code}: {ev.detail}"
+        ledger.last_error = capped_error(f"{call.call_id} {call.tool_name} denied {ev.reason_code}: {ev.detail}")
 
 
 def _tool_call_outcome(ledger: Ledger, ev: Outcome, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None) -> Plan:
@@ -577,7 +579,7 @@ def _tool_call_outcome_unknown(
     if call.status not in _MAY_EXECUTE:
         raise ProtocolViolation("UNEXPECTED_OUTCOME_UNKNOWN", f"call {call.call_id} is {call.status}")
     ledger.update_call(call, status=CallStatus.OUTCOME_UNKNOWN)
-    ledger.last_error = f"{call.call_id} {call.tool_name} outcome unknown: {ev.detail}"
+    ledger.last_error = capped_error(f"{call.call_id} {call.tool_name} outcome unknown: {ev.detail}")
     return Plan([APPEND])  # the step cannot finish: the run is parked until a human decides
 
 
@@ -727,6 +729,15 @@ def _after_end(ledger: Ledger, record: AvroRecord) -> Plan:
     return ended
 
 
+def _step_of(record: AvroRecord) -> int | None:
+    """The step an intake record belongs to (an approval decision names it in its call id)."""
+    step = getattr(record, "step", None)
+    if isinstance(step, int):
+        return step
+    head, _, index = str(getattr(record, "call_id", "")).partition(".")
+    return int(head) if head.isdigit() and index.isdigit() else None
+
+
 def fold(ledger: Ledger, record: AvroRecord, *, event_id: str, tenant_id: str, guard: LoopGuard, now_ms: int,
          tenant: TenantLedger | None = None) -> Plan:
     """Sequence one intake record into the run: append it (or drop a duplicate / late request) and
@@ -743,6 +754,9 @@ def fold(ledger: Ledger, record: AvroRecord, *, event_id: str, tenant_id: str, g
         raise ProtocolViolation("RUN_QUEUED", f"run {ledger.run_id} waits in its tenant's queue; nothing was granted")
     if not ledger.active:
         return _after_end(ledger, record)
+    step = _step_of(record)
+    if step is not None and ledger.is_stale(step):
+        return Plan(dropped="STALE_STEP")
     plan = handler(ledger, record, guard, now_ms, tenant)
     if ledger.active:
         ledger.track_human_wait(now_ms)

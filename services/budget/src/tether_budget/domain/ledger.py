@@ -1,9 +1,12 @@
 """The per-run ledger: what the budget service knows about a run, checkpointed after every batch.
 
 It is a fold over the run's events: caps and deadline, the chain position (seq, last hash),
-cumulative usage, the current step and every tool call with its status, the event ids
-already sequenced, the loop guard's memory. After the run ends the ledger is kept in full for
-a while, then shrunk to a tombstone that still recognises late duplicates, then forgotten.
+cumulative usage, the current step and the tool calls with their status, the event ids
+already sequenced, the loop guard's memory. It is checkpointed whole after every record, so its
+size must not grow with the run: the calls and event ids of steps older than `DETAIL_STEPS` are
+folded into counters (`FoldedCalls`), and records of those steps are dropped as stale. After the
+run ends the ledger is kept in full for a while, then shrunk to a tombstone that still
+recognises late duplicates, then forgotten.
 The per-tenant ledger of a partition lane (concurrency, queue, spend, token rate) lives beside
 it in the same state store under the key `tenant:<tenant_id>` (domain/tenancy.py).
 """
@@ -21,6 +24,12 @@ from tether_budget.domain.loopguard import CallSignature, LoopGuardState, call_s
 from tether_contracts.records import Caps, Usage
 
 GENESIS_HASH = "0" * 64  # prev_hash of a run's first event (tether_messaging.chain.GENESIS_HASH)
+
+# Finished steps whose calls and event ids the ledger keeps in detail (besides the current one).
+# Nothing decides on older ones: the loop guard keeps its own window of step signatures, and a
+# record of a folded step is dropped (`Ledger.is_stale`). Detail costs ~0.5 kB per one-call step.
+DETAIL_STEPS = 16
+LAST_ERROR_CHARS = 1_000  # `last_error` is cut to this many characters (marker included)
 
 
 class RunStatus(StrEnum):
@@ -155,6 +164,36 @@ def _from_full_texts(data: dict[str, Any]) -> dict[str, Any]:
     return calls
 
 
+def capped_error(text: str) -> str:
+    """`text` cut to `LAST_ERROR_CHARS`, with a marker saying how much was cut: an error detail
+    can be any size, and the ledger carrying it is checkpointed after every record."""
+    if len(text) <= LAST_ERROR_CHARS:
+        return text
+    marker = f"… [truncated, {len(text)} chars in all]"
+    return text[: LAST_ERROR_CHARS - len(marker)] + marker
+
+
+class FoldedCalls(BaseModel):
+    """The finished calls of steps up to `through_step`, folded into counters: all the
+    termination report still says of them (`report.py`)."""
+
+    through_step: int = Field(0, description="Steps up to this one are folded (their records are stale).")
+    count: int = 0
+    outcomes: dict[str, int] = Field(
+        default_factory=dict, description="Calls per '<tool_name> <status>', in order of first occurrence."
+    )
+
+    def add(self, call: CallEntry) -> None:
+        key = f"{call.tool_name} {call.status}"
+        self.count += 1
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+    def summary(self) -> str:
+        """One line of the report's done list, standing for the folded calls."""
+        outcomes = ", ".join(f"{key} ×{n}" for key, n in self.outcomes.items())
+        return f"{self.count} earlier call(s) of steps 1–{self.through_step}: {outcomes}"
+
+
 class StepEntry(BaseModel):
     """The step currently granted."""
 
@@ -184,13 +223,16 @@ class Ledger(BaseModel):
 
     seq: int = 0
     last_hash: str = GENESIS_HASH
-    seen_event_ids: set[str] = Field(default_factory=set, description="Event ids sequenced for the run.")
+    seen_event_ids: dict[str, int] = Field(
+        default_factory=dict, description="Event ids sequenced for the run (of unfolded steps), with the step then."
+    )
 
     usage: Usage = Field(default_factory=Usage)
     step: int = Field(0, description="Last step granted.")
     steps_done: int = Field(0, description="Model calls that returned (completed or failed).")
     current: StepEntry | None = None
-    calls: dict[str, CallEntry] = Field(default_factory=dict)
+    calls: dict[str, CallEntry] = Field(default_factory=dict, description="Tool calls of steps not folded.")
+    folded: FoldedCalls = Field(default_factory=FoldedCalls, description="The calls of older steps, counted.")
     tool_calls_budgeted: int = 0
     tools: dict[str, ToolFacts] = Field(default_factory=dict)
     loop: LoopGuardState = Field(default_factory=LoopGuardState)
@@ -231,6 +273,16 @@ class Ledger(BaseModel):
             data = {**data, "calls": _from_full_texts(data)}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _event_ids_with_steps(cls, data: Any) -> Any:
+        # Written before the ids had their step (a set, kept for the whole run): they count as
+        # sequenced at the step then granted, so they are forgotten `DETAIL_STEPS` steps later.
+        if isinstance(data, dict) and isinstance(data.get("seen_event_ids"), list | set | frozenset):
+            step = data.get("step", 0)
+            data = {**data, "seen_event_ids": dict.fromkeys(data["seen_event_ids"], step)}
+        return data
+
     # -- copies -----------------------------------------------------------------------------
     def clone(self) -> Ledger:
         """A working copy for handling one record: the loop keeps the committed ledger to undo an
@@ -244,8 +296,9 @@ class Ledger(BaseModel):
         cur = self.current
         return self.model_copy(
             update={
-                "seen_event_ids": set(self.seen_event_ids),
+                "seen_event_ids": dict(self.seen_event_ids),
                 "calls": dict(self.calls),
+                "folded": self.folded.model_copy(update={"outcomes": dict(self.folded.outcomes)}),
                 "tools": dict(self.tools),
                 "current": None if cur is None else cur.model_copy(update={"call_ids": list(cur.call_ids)}),
                 "loop": self.loop.clone(),
@@ -265,7 +318,27 @@ class Ledger(BaseModel):
         """Note that an event was appended to the run's log at `seq` with `hash_`."""
         self.seq, self.last_hash = seq, hash_
         if not self.tombstoned:
-            self.seen_event_ids.add(event_id)
+            self.seen_event_ids[event_id] = self.step
+
+    # -- folding old steps -----------------------------------------------------------------
+    def fold_old_steps(self) -> None:
+        """After a step is finished: fold the finished calls of steps more than `DETAIL_STEPS`
+        before the last one granted into `folded`, and forget their event ids. Catches up on
+        all of them at once (a checkpoint written before folding)."""
+        through = self.step - DETAIL_STEPS
+        if through <= self.folded.through_step:
+            return
+        for call_id, call in list(self.calls.items()):
+            if call.step <= through and call.status in TERMINAL | NEVER_RAN:
+                self.folded.add(call)
+                del self.calls[call_id]
+        self.seen_event_ids = {e: s for e, s in self.seen_event_ids.items() if s > through}
+        self.folded.through_step = through
+
+    def is_stale(self, step: int) -> bool:
+        """A record of a folded step: it was sequenced before (its id is forgotten) or it is
+        refused; either way nothing is appended."""
+        return step <= self.folded.through_step
 
     # -- derived facts --------------------------------------------------------------------
     @property
@@ -338,7 +411,8 @@ class Ledger(BaseModel):
         self.calls = {k: c for k, c in self.calls.items() if c.status not in TERMINAL | NEVER_RAN}
         if self.current is not None:
             self.current.call_ids = [c for c in self.current.call_ids if c in self.calls]
-        self.seen_event_ids = set()
+        self.seen_event_ids = {}
+        self.folded = FoldedCalls()
         self.loop = LoopGuardState()
         self.tools = {}
         self.tombstoned = True

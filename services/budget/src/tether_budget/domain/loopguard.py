@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 EXCERPT_CHARS = 200
 
@@ -244,18 +244,32 @@ class LoopGuardState(BaseModel):
     """What the guard remembers about a run; part of the run's ledger checkpoint, bounded in size."""
 
     history: list[StepSignature] = Field(default_factory=list, description="Recent counted steps, oldest first.")
-    seen_pairs: set[str] = Field(default_factory=set, description="Every (a, o) pair seen in the run.")
-    denials: dict[str, int] = Field(default_factory=dict, description="Denials per action hash in the run.")
-    polls: dict[str, int] = Field(default_factory=dict, description="Uncounted poll repeats per step identity.")
+    seen_pairs: dict[str, int] = Field(
+        default_factory=dict,
+        description="(a, o) pairs seen in the run with the step last seen, least recent first (at most "
+        "`LoopGuardConfig.pair_memory`).",
+    )
+    denials: dict[str, int] = Field(
+        default_factory=dict, description="Denials per action hash in the run, least recently denied first."
+    )
+    polls: dict[str, int] = Field(
+        default_factory=dict, description="Uncounted poll repeats per step identity, least recently polled first."
+    )
     warned: Detection | None = None
     fired: Detection | None = None
+
+    @field_validator("seen_pairs", mode="before")
+    @classmethod
+    def _pairs_without_steps(cls, value: Any) -> Any:
+        # Written before the memory was bounded: a set of every pair (step unknown, order arbitrary).
+        return dict.fromkeys(value, 0) if isinstance(value, list | set | frozenset) else value
 
     def clone(self) -> LoopGuardState:
         """A working copy: the containers copied, their frozen signatures shared (see `Ledger.clone`)."""
         return self.model_copy(
             update={
                 "history": list(self.history),
-                "seen_pairs": set(self.seen_pairs),
+                "seen_pairs": dict(self.seen_pairs),
                 "denials": dict(self.denials),
                 "polls": dict(self.polls),
             }
@@ -274,6 +288,11 @@ class LoopGuardConfig:
     cycle_repeats: int = 3
     novelty_window: int = 12
     poll_budget: int = 20
+    # Run-wide memories, bounded because the state is checkpointed after every record: the
+    # least recently seen entries are forgotten first. Exact for runs with fewer distinct
+    # (a, o) pairs, denied actions, polled step identities.
+    pair_memory: int = 512
+    action_memory: int = 128
 
     @property
     def history_len(self) -> int:
@@ -311,12 +330,13 @@ class LoopGuard:
             # A poll that repeats a step seen before counts once per distinct result, within the budget.
             key = step.outcome
             if key in state.polls and state.polls[key] < cfg.poll_budget:
-                state.polls[key] += 1
+                _touch(state.polls, key, state.polls[key] + 1, cfg.action_memory)
                 return denial
-            state.polls.setdefault(key, 0)
-        pairs = {f"{c.action}:{c.observation}" for c in step.calls}
-        step = step.model_copy(update={"novel": bool(pairs - state.seen_pairs)})
-        state.seen_pairs |= pairs
+            _touch(state.polls, key, state.polls.get(key, 0), cfg.action_memory)
+        pairs = sorted({f"{c.action}:{c.observation}" for c in step.calls})
+        step = step.model_copy(update={"novel": any(p not in state.seen_pairs for p in pairs)})
+        for pair in pairs:
+            _touch(state.seen_pairs, pair, step.step, cfg.pair_memory)
         state.history.append(step)
         del state.history[: -cfg.history_len]
         return denial or self._detect(state.history)
@@ -327,7 +347,7 @@ class LoopGuard:
             if not call.denied:
                 continue
             count = state.denials.get(call.action, 0) + 1
-            state.denials[call.action] = count
+            _touch(state.denials, call.action, count, self.config.action_memory)
             if count >= self.config.denial_n and (worst is None or count > worst.count):
                 worst = Detection(
                     rule=LoopRule.REPEATED_DENIAL, step=step.step, count=count,
@@ -379,6 +399,14 @@ class LoopGuard:
                 action=last.label, excerpt=last.excerpt,
             )  # fmt: skip
         return None
+
+
+def _touch(memory: dict[str, int], key: str, value: int, limit: int) -> None:
+    """Set `key` as the most recent entry of a bounded memory, forgetting the least recent ones."""
+    memory.pop(key, None)
+    memory[key] = value
+    while len(memory) > limit:
+        del memory[next(iter(memory))]
 
 
 def _tail(history: list[StepSignature], n: int) -> list[StepSignature]:

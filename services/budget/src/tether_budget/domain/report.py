@@ -53,7 +53,9 @@ def _pending(ledger: Ledger) -> list[str]:
 
 def termination_report(ledger: Ledger, reason: str, detail: str) -> TerminationReport:
     """The report carried by RunTerminated, built from the ledger at the moment of the stop."""
-    done = [
+    # Calls of folded steps (long runs) are one line of counts, then each later call.
+    done = [ledger.folded.summary()] if ledger.folded.count else []
+    done += [
         f"{c.call_id} {c.tool_name} {c.status}"
         for c in ledger.calls.values()
         if c.status in TERMINAL or c.status is CallStatus.NOT_BUDGETED
