@@ -1,4 +1,5 @@
-"""An HTTP body that keeps dripping ends with TIMEOUT at the call's deadline (httpx's read timeout is per chunk)."""
+"""An HTTP tool call ends with TIMEOUT at its deadline in every phase, however the server drips its answer
+(httpx's timeouts are per socket operation, not per request)."""
 
 from __future__ import annotations
 
@@ -6,29 +7,41 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 
 from tether_contracts.records import RiskClass, ToolSpec
-from tether_tool_gateway.builtin_tools import http_get_spec
+from tether_tool_gateway.builtin_tools import http_get_spec, kv_get_spec, kv_put_spec
 from tether_tool_gateway.domain.errors import ToolError
 from tether_tool_gateway.executors.builtin import BuiltinExecutor
 from tether_tool_gateway.executors.http_tool import HttpToolExecutor
 from tether_tool_gateway.ports import ExecutionRequest, MappingSecretProvider
 
 DRIP_S = 0.05
-BYTES = 80  # the whole body takes BYTES * DRIP_S = 4 s to arrive
+BYTES = 80  # a dripped body takes BYTES * DRIP_S = 4 s to arrive
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+
+#: The body one byte per DRIP_S.
+DRIPPED_BODY = [(0.0, HEAD % BYTES)] + [(DRIP_S, b" ")] * BYTES
+#: The status line, then a header one byte per DRIP_S for 30 s: each read gets a byte well within any read timeout.
+DRIPPED_HEADERS = ([(0.0, b"HTTP/1.1 200 OK\r\nX-Slow: ")] + [(DRIP_S, b"a")] * 600
+                   + [(0.0, b"\r\nContent-Length: 2\r\n\r\n{}")])
+#: The KV store's answer to a get or a put, after 30 s of dripped whitespace.
+KV_ANSWER = b'{"value":1,"version":1}'
+DRIPPED_KV_BODY = [(0.0, HEAD % (600 + len(KV_ANSWER)))] + [(DRIP_S, b" ")] * 600 + [(0.0, KV_ANSWER)]
 
 
-class DrippingServer:
-    """A loopback HTTP server answering every request with a 200 whose body comes one byte per DRIP_S."""
+class ScriptedServer:
+    """A loopback HTTP server answering every request with `script`: (pause in seconds, bytes) steps sent in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: Sequence[tuple[float, bytes]]) -> None:
+        self._script = script
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.1)
         self.port = self._listener.getsockname()[1]
         self.stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="dripping-server", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="scripted-server", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
@@ -51,12 +64,10 @@ class DrippingServer:
         while len(body) < length:
             body += conn.recv(4096)
         try:
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n" % BYTES)
-            for _ in range(BYTES):
-                if self.stop.wait(DRIP_S):
+            for pause, data in self._script:
+                if pause and self.stop.wait(pause):
                     return
-                conn.sendall(b" ")
+                conn.sendall(data)
         except OSError:  # the client gave up and closed the connection
             return
 
@@ -68,10 +79,16 @@ class DrippingServer:
 
 
 @pytest.fixture
-def dripping():
-    server = DrippingServer()
-    yield server
-    server.close()
+def serve():
+    servers: list[ScriptedServer] = []
+
+    def start(script: Sequence[tuple[float, bytes]]) -> ScriptedServer:
+        servers.append(ScriptedServer(script))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
 
 
 def request(tool: ToolSpec, args) -> ExecutionRequest:
@@ -86,18 +103,57 @@ def timed(executor, req: ExecutionRequest) -> tuple[ToolError, float]:
     return caught.value, time.monotonic() - started
 
 
-def test_http_get_of_a_dripping_page_times_out_at_the_deadline(dripping):
-    tool = http_get_spec(["127.0.0.1"], timeout_ms=500)
-    error, elapsed = timed(BuiltinExecutor(), request(tool, {"url": f"http://127.0.0.1:{dripping.port}/"}))
-    assert error.code == "TIMEOUT"
+def http_get_call(port: int, timeout_ms: int) -> tuple[BuiltinExecutor, ExecutionRequest]:
+    tool = http_get_spec(["127.0.0.1"], timeout_ms=timeout_ms)
+    return BuiltinExecutor(), request(tool, {"url": f"http://127.0.0.1:{port}/"})
+
+
+def http_tool_call(port: int, timeout_ms: int) -> tuple[HttpToolExecutor, ExecutionRequest]:
+    tool = ToolSpec(name="team_lookup", version=1, description="d", args_schema_json='{"type":"object"}',
+                    risk_class=RiskClass.READ_ONLY, idempotent=False, untrusted_source=False, executor_kind="http",
+                    executor_config_json=json.dumps({"url": f"http://127.0.0.1:{port}/lookup"}),
+                    timeout_ms=timeout_ms + 250)  # the executor gives up 0.25 s before the tool's timeout
+    return HttpToolExecutor(), request(tool, {"q": "x"})
+
+
+CALLS = pytest.mark.parametrize("call", [http_get_call, http_tool_call], ids=["http_get", "http_tool"])
+
+
+@CALLS
+def test_a_dripping_body_times_out_at_the_deadline(serve, call):
+    executor, req = call(serve(DRIPPED_BODY).port, 500)
+    error, elapsed = timed(executor, req)
+    assert error.code == "TIMEOUT" and error.retryable
     assert elapsed < BYTES * DRIP_S / 2  # ended near the 0.5 s deadline, not when the body was complete
 
 
-def test_a_tool_service_dripping_its_answer_times_out_at_the_deadline(dripping):
-    tool = ToolSpec(name="team_lookup", version=1, description="d", args_schema_json='{"type":"object"}',
-                    risk_class=RiskClass.READ_ONLY, idempotent=False, untrusted_source=False, executor_kind="http",
-                    executor_config_json=json.dumps({"url": f"http://127.0.0.1:{dripping.port}/lookup"}),
-                    timeout_ms=750)
-    error, elapsed = timed(HttpToolExecutor(), request(tool, {"q": "x"}))
-    assert error.code == "TIMEOUT"
-    assert elapsed < BYTES * DRIP_S / 2
+@CALLS
+def test_dripping_headers_time_out_at_the_deadline(serve, call):
+    executor, req = call(serve(DRIPPED_HEADERS).port, 1000)
+    error, elapsed = timed(executor, req)
+    assert error.code == "TIMEOUT" and error.retryable
+    assert elapsed < 10  # near the 1 s deadline; the headers would have taken 30 s
+
+
+@CALLS
+def test_a_read_started_just_before_the_deadline_ends_at_the_deadline(serve, call):
+    # The body's first byte comes at 2.8 s, within the read timeout (the 3 s of the call); then nothing for 30 s.
+    # A read timeout of its own would let the next read wait until 2.8 + 3 = 5.8 s; the deadline ends it at 3 s.
+    executor, req = call(serve([(0.0, HEAD % 2), (2.8, b" "), (30.0, b" ")]).port, 3000)
+    error, elapsed = timed(executor, req)
+    assert error.code == "TIMEOUT" and error.retryable
+    assert elapsed < 5.0
+
+
+@pytest.mark.parametrize(("spec", "args"), [(kv_get_spec, {"key": "k"}), (kv_put_spec, {"key": "k", "value": 1})],
+                         ids=["kv_get", "kv_put"])
+def test_a_kv_store_dripping_its_answer_times_out_at_the_deadline(serve, spec, args):
+    server = serve(DRIPPED_KV_BODY)
+    tool = spec(f"http://127.0.0.1:{server.port}", timeout_ms=1000)
+    error, elapsed = timed(BuiltinExecutor(), request(tool, args))
+    assert error.code == "TIMEOUT" and error.retryable
+    assert elapsed < 10  # near the 1 s deadline; the answer would have taken 30 s
+    # The KV client is shared by every call: the next call, to a prompt store, is not hurt by the one that overran.
+    prompt = serve([(0.0, HEAD % len(KV_ANSWER) + KV_ANSWER)])
+    result = BuiltinExecutor().execute(request(spec(f"http://127.0.0.1:{prompt.port}"), args), MappingSecretProvider())
+    assert result["version"] == 1

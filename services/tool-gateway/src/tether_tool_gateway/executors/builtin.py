@@ -21,6 +21,7 @@ import httpx
 from tether_security import SecretNotFound, SecretTooShort
 from tether_tool_gateway.builtin_tools import HTTP_GET, KV_GET, KV_PUT, SEND_EMAIL
 from tether_tool_gateway.domain.errors import EgressDenied, InvalidToolResult, ToolError
+from tether_tool_gateway.executors.http_deadline import call_deadline, deadline_transport
 from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
 
 MAX_REDIRECTS = 5
@@ -80,9 +81,10 @@ def _kv_client() -> httpx.Client:
     share kept-alive connections: a client per call (`httpx.get`/`httpx.put`) built a transport and
     a connection per call, ≈ 20% of the gateway's CPU under load (py-spy, make bench). Nothing else
     is shared between calls: the cookie jar refuses every cookie, there is no auth on the client,
-    and each call passes its own timeout and headers. httpx clients may be shared between threads.
+    and each call passes its own timeout, headers and deadline (`call_deadline`). httpx clients may
+    be shared between threads.
     """
-    return httpx.Client(trust_env=False, verify=_tls(), follow_redirects=False,
+    return httpx.Client(trust_env=False, transport=deadline_transport(_tls()), follow_redirects=False,
                         cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])))
 
 
@@ -139,8 +141,8 @@ def http_get(request: ExecutionRequest, config: dict[str, Any], secrets: SecretP
     origin = (url.scheme, url.host.lower(), url.port)
     headers = _headers(config, secrets)
     deadline = time.monotonic() + request.timeout_s
-    with httpx.Client(timeout=_timeout(request), follow_redirects=False, trust_env=False, verify=_tls(),
-                      headers=headers) as client:
+    with call_deadline(deadline), httpx.Client(timeout=_timeout(request), follow_redirects=False, trust_env=False,
+                                               transport=deadline_transport(_tls()), headers=headers) as client:
         for _ in range(MAX_REDIRECTS + 1):
             try:
                 with client.stream("GET", url) as response:
@@ -217,8 +219,9 @@ def kv_put(request: ExecutionRequest, config: dict[str, Any], secrets: SecretPro
     """PUT the value, with the call's idem_key as Idempotency-Key so a re-run is applied once."""
     key = request.args["key"]
     try:
-        response = _kv_client().put(_kv_url(config, key), json={"value": request.args["value"]},
-                                    headers={"Idempotency-Key": request.idem_key}, timeout=_timeout(request))
+        with call_deadline(time.monotonic() + request.timeout_s):
+            response = _kv_client().put(_kv_url(config, key), json={"value": request.args["value"]},
+                                        headers={"Idempotency-Key": request.idem_key}, timeout=_timeout(request))
     except httpx.HTTPError as exc:
         raise _transport_error(exc) from exc
     if response.status_code != 200:
@@ -233,7 +236,8 @@ def kv_put(request: ExecutionRequest, config: dict[str, Any], secrets: SecretPro
 def kv_get(request: ExecutionRequest, config: dict[str, Any], secrets: SecretProvider) -> dict[str, Any]:
     key = request.args["key"]
     try:
-        response = _kv_client().get(_kv_url(config, key), timeout=_timeout(request))
+        with call_deadline(time.monotonic() + request.timeout_s):
+            response = _kv_client().get(_kv_url(config, key), timeout=_timeout(request))
     except httpx.HTTPError as exc:
         raise _transport_error(exc) from exc
     if response.status_code == 404:

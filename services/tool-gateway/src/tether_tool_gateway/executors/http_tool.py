@@ -25,6 +25,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_afte
 
 from tether_tool_gateway.domain.errors import EgressDenied, InvalidToolResult, ToolError
 from tether_tool_gateway.executors.builtin import _config, _headers, _tls, body_chunks
+from tether_tool_gateway.executors.http_deadline import call_deadline, deadline_transport
 from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
 
 DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
@@ -133,8 +134,8 @@ class HttpToolExecutor:
     def _post(self, url: httpx.URL, body: bytes, headers: dict[str, str], cap: int, timeout: float,
               allow: set[str], deadline: float) -> Any:
         try:
-            with httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=False, trust_env=False,
-                              verify=_tls()) as client:
+            with call_deadline(deadline), httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=False,
+                                                       trust_env=False, transport=deadline_transport(_tls())) as client:
                 with client.stream("POST", url, content=body, headers=headers) as response:
                     if response.is_redirect:
                         # Never followed: the registered URL is the only endpoint the tenant allowed.
