@@ -12,6 +12,7 @@ from tether_contracts.records import (
     RunCompleted,
     RunTerminated,
     TerminationReport,
+    ToolCallOutcomeUnknown,
     ToolCallRequested,
     Usage,
 )
@@ -371,6 +372,42 @@ def test_tool_failures_denials_and_loop_warnings_reach_the_model(harness) -> Non
     assert "Ignore all previous" not in msgs[0]["content"]
     # max_tokens is bounded by the tokens the grant left (minus the estimated prompt).
     assert 0 < request["body"]["max_tokens"] < 5_000
+
+
+def test_a_late_outcome_replaces_outcome_unknown_and_reaches_the_next_step(harness) -> None:
+    # The budget appends a late outcome only while the call is still OUTCOME_UNKNOWN, i.e. before
+    # the step finishes and the next one is granted (a call of a finished step is terminal: later
+    # outcomes are refused). So the replacement is folded before the next step snapshots the
+    # context, and the step's merge (state.finish_step) never has to keep one made meanwhile.
+    h, run = harness, "run-late-outcome"
+    h.accept(run, "[t:happy] late outcome")
+    requests = h.step(run, 1)[1:]
+    h.complete(run, requests[0], {"ok": 1})
+    h.complete(run, requests[1], {"ok": 2})
+    mail = requests[2].call
+    h.log(
+        run,
+        ToolCallOutcomeUnknown(
+            step=1, call_id=mail.call_id, idem_key=mail.idem_key, tool_name=mail.tool_name, detail="gateway restarted"
+        ),
+    )
+
+    def statuses() -> list[tuple[str | None, str]]:
+        tools = [m for m in h.driver.states[run].messages if m.role == "tool"]
+        return [(m.call_id, open_envelope(m.content).status) for m in tools]
+
+    assert statuses() == [("1.0", "ok"), ("1.1", "ok"), ("1.2", "outcome_unknown")]
+    h.complete(run, requests[2], {"sent": True, "message_id": "m-late"})
+    assert statuses() == [("1.0", "ok"), ("1.1", "ok"), ("1.2", "ok")]
+
+    h.grant(run, 2)
+    out = h.work()
+    assert _types(out) == ["ModelCallCompleted", "RunCompleted"]
+    assert out[1].answer.endswith('last result: {"sent": true, "message_id": "m-late"}')
+    sent = [_envelope(m) for m in _messages(h.requests(run)[-1]) if m["role"] == "tool"]
+    assert [(e.attributes["call_id"], e.status) for e in sent] == [("1.0", "ok"), ("1.1", "ok"), ("1.2", "ok")]
+    # The step's checkpoint keeps the decided outcome.
+    assert statuses() == [("1.0", "ok"), ("1.1", "ok"), ("1.2", "ok")]
 
 
 def test_tools_outside_the_allowlist_are_not_offered(harness) -> None:
