@@ -28,7 +28,9 @@ if [[ -z "$UV" ]] && ! python3 -m pip --version >/dev/null 2>&1; then missing+=(
 compgen -G '/usr/lib/postgresql/*/bin/postgres' >/dev/null || missing+=(postgresql)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
-command -v java >/dev/null 2>&1 || missing+=(default-jre-headless)
+# The JDK, not only the runtime: the bench's broker profile (TETHER_BENCH_PROFILE, and its test
+# in bench/tests/test_profile.py) records with jcmd and reads the recording with jfr.
+{ command -v java && command -v jcmd && command -v jfr; } >/dev/null 2>&1 || missing+=(default-jdk-headless)
 command -v mvn >/dev/null 2>&1 || missing+=(maven)
 
 if ((${#missing[@]})); then
