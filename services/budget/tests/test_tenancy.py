@@ -294,3 +294,19 @@ def test_lifting_the_limits_lets_the_queue_go_and_stops_tracking_new_runs(harnes
     assert types(harness.log_payloads("r3")) == ["RunQueued", "RunAccepted", "StepGranted"]
     assert slots(harness) == ["r1", "r2", "r3"] and harness.tenant().queue == []
     assert not harness.ledger("r4").tenant_tracked
+
+
+def test_a_model_call_that_reports_no_usage_gives_its_reservation_back(harness):
+    limits = cap(5, 5, tokens_per_minute=1_000)
+    harness.submit("warm", limits=limits)
+    harness.model(1, 0, "warm", tokens=400, text="x")  # the lane's estimate: 400 tokens a call
+    harness.complete("warm")
+    harness.submit("r1", limits=limits)
+    for step in (1, 2, 3):
+        assert harness.ledger("r1").rate_reserved == 400
+        harness.model(step, 1, "r1", tokens=0, cost=0)  # e.g. a cached answer: no usage at all
+        assert harness.ledger("r1").rate_reserved == 0
+        harness.request(step, 0, "r1", args={"q": step})
+        assert isinstance(harness.done(f"{step}.0", "r1")[-1], StepGranted)
+    # 400 used this minute, 400 reserved by the step granted now; nothing left behind by the others.
+    assert harness.tenant().tokens == 1_000 - 400 - 400

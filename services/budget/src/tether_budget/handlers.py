@@ -94,10 +94,19 @@ def _save_tenant(tenant: TenantLedger | None, ctx: Context) -> None:
         ctx.put_state(tenant_key(tenant.tenant_id), tenant)
 
 
-def _settle_usage(ledger: Ledger, before: Usage, tenant: TenantLedger | None, now_ms: int) -> None:
+def _model_call_open(ledger: Ledger) -> int | None:
+    """The granted step whose model call has no recorded outcome yet, if any."""
+    cur = ledger.current
+    return cur.step if cur is not None and not cur.model_done else None
+
+
+def _settle_usage(
+    ledger: Ledger, before: Usage, tenant: TenantLedger | None, now_ms: int, *, model_call_returned: bool
+) -> None:
     """Charge the tenant with the usage the record added to the run (its spend window, its token
-    bucket in place of the grant's reservation)."""
-    if tenant is None or ledger.usage == before:
+    bucket in place of the grant's reservation). Settled whenever the granted step's model call
+    returned, even with zero usage: its reservation must make way for the real usage (none)."""
+    if tenant is None or (ledger.usage == before and not model_call_returned):
         return
     tokens = ledger.tokens_used - (before.input_tokens + before.output_tokens)
     cost = ledger.usage.cost_usd_micros - before.cost_usd_micros
@@ -273,7 +282,7 @@ def sequence_intake(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
             "WRONG_PARTITION", f"run {env.run_id} lives on partition {ledger.partition}, record came on {ctx.partition}"
         )
     tenant = _load_tenant(ctx, ledger.tenant_id) if ledger.tenant_tracked else None
-    was_open, usage_before = ledger.open, ledger.usage
+    was_open, usage_before, model_call_open = ledger.open, ledger.usage, _model_call_open(ledger)
     plan = fold(
         ledger,
         msg.payload,
@@ -283,7 +292,8 @@ def sequence_intake(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
         now_ms=ctx.now_ms,
         tenant=tenant,
     )
-    _settle_usage(ledger, usage_before, tenant, ctx.now_ms)
+    returned = model_call_open is not None and _model_call_open(ledger) != model_call_open
+    _settle_usage(ledger, usage_before, tenant, ctx.now_ms, model_call_returned=returned)
     freed = _release_if_ended(ledger, was_open, tenant)
     write_plan(plan, ledger, ctx, deps=deps, inbound=env)
     if freed:
