@@ -184,3 +184,33 @@ def test_seal_refuses_malformed_chain_positions() -> None:
         seal(env, 2, "not-a-hash")
     with pytest.raises(ChainError):
         event_hash(env)
+
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("prev_hash", "é" * 64),
+        ("prev_hash", "A" * 64),
+        ("prev_hash", "ab" * 32 + "\n"),
+        ("hash", "é" * 64),
+        ("hash", "0" * 63),
+        ("seq", 0),
+    ],
+)
+def test_a_malformed_chain_field_read_from_the_log_is_a_hash_mismatch_not_a_crash(field: str, value: object) -> None:
+    chain = _chain("r1", 3)
+    bad = chain[1].model_copy(update={field: value})
+    problems = verify_chain([chain[0], bad, chain[2]])
+    assert problems[0].kind == ProblemKind.HASH_MISMATCH and problems[0].seq == bad.seq
+    assert problems[0].detail.startswith(f"malformed: {field}")
+    # Hashing it does not raise either (the projector recomputes every event's hash).
+    assert event_hash(chain[1].model_copy(update={"prev_hash": "é" * 64})) != chain[1].hash
+
+
+def test_the_hash_of_a_well_formed_event_is_unchanged() -> None:
+    # Pinned: chains sealed before any change to the hash code must still verify.
+    env = _env("r1", 1)
+    assert seal(env, 1, GENESIS_HASH).hash == _reference_hash(env, 1, GENESIS_HASH) == (
+        "745c16e18ed622c14a75554a0cf7da706745e254c827888f15992afe3e5186f4"
+    )

@@ -24,7 +24,7 @@ from tether_contracts.records import Envelope
 
 GENESIS_HASH = "0" * 64
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 class ChainError(Exception):
@@ -37,7 +37,9 @@ def _field(data: bytes) -> bytes:
 
 def _digest(envelope: Envelope, seq: int, prev_hash: str) -> str:
     parts = (
-        prev_hash.encode("ascii"),
+        # UTF-8, not ASCII: the same bytes for a well-formed (hex) prev_hash, and a malformed
+        # one read from the log hashes (to a mismatch) instead of raising.
+        prev_hash.encode(),
         envelope.event_id.encode(),
         envelope.tenant_id.encode(),
         envelope.run_id.encode(),
@@ -65,7 +67,7 @@ def seal(envelope: Envelope, seq: int, prev_hash: str) -> Envelope:
     """A copy of `envelope` appended to its run's chain at `seq` after the event hashed `prev_hash`."""
     if seq < 1:
         raise ChainError(f"seq must be >= 1, got {seq}")
-    if not _HEX64.match(prev_hash):
+    if not _HEX64.fullmatch(prev_hash):
         raise ChainError(f"prev_hash must be 64 lowercase hex characters, got {prev_hash!r}")
     if seq == 1 and prev_hash != GENESIS_HASH:
         raise ChainError("the first event of a run must follow the genesis hash (64 zeros)")
@@ -78,7 +80,7 @@ class ProblemKind(str, Enum):
     """What is wrong with a place in a run's chain."""
 
     UNSEALED = "UNSEALED"  # seq, prev_hash or hash missing
-    HASH_MISMATCH = "HASH_MISMATCH"  # content does not match its hash: the event was altered
+    HASH_MISMATCH = "HASH_MISMATCH"  # content does not match its hash, or seq/prev_hash/hash malformed: altered
     PREV_HASH_MISMATCH = "PREV_HASH_MISMATCH"  # does not follow the previous event's hash
     GAP = "GAP"  # one or more seqs are missing before this event
     DUPLICATE_SEQ = "DUPLICATE_SEQ"  # this seq was already seen for the run
@@ -124,9 +126,19 @@ def verify_chain(envelopes: Iterable[Envelope], *, from_genesis: bool = True) ->
         if env.seq is None or env.prev_hash is None or env.hash is None:
             report(ProblemKind.UNSEALED, "seq, prev_hash or hash is missing")
             continue
-        recomputed = event_hash(env)
-        if recomputed != env.hash:
-            report(ProblemKind.HASH_MISMATCH, f"content hashes to {recomputed}, event says {env.hash}")
+        if env.seq < 1:
+            report(ProblemKind.HASH_MISMATCH, f"malformed: seq {env.seq} is not >= 1")
+            continue
+        malformed = [f"{name} {value!r} is not 64 lowercase hex characters"
+                     for name, value in (("prev_hash", env.prev_hash), ("hash", env.hash))
+                     if not _HEX64.fullmatch(value)]
+        if malformed:
+            # Not a hash the chain could have produced (seal refuses it): reported, not hashed.
+            report(ProblemKind.HASH_MISMATCH, "malformed: " + "; ".join(malformed))
+        else:
+            recomputed = event_hash(env)
+            if recomputed != env.hash:
+                report(ProblemKind.HASH_MISMATCH, f"content hashes to {recomputed}, event says {env.hash}")
 
         cursor = cursors.get(run)
         if cursor is None:
