@@ -190,8 +190,9 @@ def test_over_the_token_rate_a_grant_is_deferred_and_made_on_a_tick_in_order(har
     limits = cap(5, 5, tokens_per_minute=1_000)
     t0 = harness.driver.now_ms
     harness.submit("r1", limits=limits)
+    harness.model(1, 1, "r1", tokens=10)  # the lane's first usage: from now on grants reserve its average
     harness.submit("r2", limits=limits)
-    harness.model(1, 1, "r1", tokens=1_500)  # bucket: 1,000 - 1,500 (+ the small reservations back)
+    harness.model(1, 1, "r2", tokens=1_500)  # bucket: 1,000 - 10 - 1,500 (the reservations settled)
     harness.request(1, 0, "r1")
     out = harness.done("1.0", "r1")
     assert types(out) == ["ToolCallCompleted", "StepDeferred"]
@@ -200,7 +201,6 @@ def test_over_the_token_rate_a_grant_is_deferred_and_made_on_a_tick_in_order(har
     assert deferred.tokens_available < 0 and deferred.not_before_ms > t0
     assert harness.ledger("r1").deferred_step == 2 and harness.ledger("r1").step == 1
 
-    harness.model(1, 1, "r2", tokens=10)
     harness.request(1, 0, "r2")
     assert types(harness.done("1.0", "r2")) == ["ToolCallCompleted", "StepDeferred"]
     assert harness.tenant().deferred == ["r1", "r2"]
@@ -310,3 +310,30 @@ def test_a_model_call_that_reports_no_usage_gives_its_reservation_back(harness):
         assert isinstance(harness.done(f"{step}.0", "r1")[-1], StepGranted)
     # 400 used this minute, 400 reserved by the step granted now; nothing left behind by the others.
     assert harness.tenant().tokens == 1_000 - 400 - 400
+
+
+def test_before_the_lanes_first_usage_one_grant_at_a_time_so_a_burst_stays_about_a_minutes_worth(harness):
+    # 50 runs start at once on a 1,000-tokens/min bucket, each model call uses 800 tokens. With
+    # nothing known about a call's size, granting them all (1 token reserved each) let them use
+    # 40,000 tokens in the first minute and deferred the tenant for 40 minutes.
+    limits = cap(50, 0, tokens_per_minute=1_000)
+    runs = [f"r{i}" for i in range(50)]
+    for run in runs:
+        harness.submit(run, limits=limits)
+    assert [r for r in runs if harness.ledger(r).step == 1] == ["r0"]
+    assert harness.tenant().deferred == runs[1:]
+
+    used, lowest, t0 = 0, 1_000.0, harness.driver.now_ms
+    for _ in range(300):  # five minutes of the budget's ticks, each granted call returning at once
+        for run in runs:
+            ledger = harness.ledger(run)
+            if ledger.open and ledger.step == 1 and not ledger.current.model_done:
+                harness.model(1, 0, run, tokens=800, text="done")
+                harness.complete(run)
+                used += 800
+                lowest = min(lowest, harness.tenant().tokens)
+        harness.driver.now_ms += 1_000
+        harness.tick()
+    minutes = (harness.driver.now_ms - t0) / 60_000
+    assert lowest >= 0  # no grant drew the bucket below zero: at most a burst of one minute's worth
+    assert 1_000 * minutes <= used <= 1_000 + 1_000 * minutes  # the rate is used, not exceeded

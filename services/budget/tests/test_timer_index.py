@@ -59,7 +59,21 @@ def test_deferred_grants_are_due_exactly_when_the_bucket_has_room(tenant: Tenant
     wake = tenant.deferred_due_at()
     assert wake is not None
     for now in sorted({*CLOCK, max(0, wake - 1), wake, wake + 1, 4_549, 4_550, 4_551}):
-        assert (tenant.level_at(now) > 0) == (now >= wake), (tenant.tokens, now, wake)
+        assert tenant.rate_allows(now) == (now >= wake), (tenant.tokens, now, wake)
+
+
+@pytest.mark.parametrize("estimate", [1.0, 40.4, 600.0, 5_000.0])
+def test_deferred_grants_are_due_exactly_when_the_bucket_holds_the_reservation(estimate: float) -> None:
+    tenant = _tenant(-35.5).model_copy(update={"step_tokens_estimate": estimate})
+    wake = tenant.deferred_due_at()
+    assert wake is not None
+    for now in sorted({*CLOCK, wake - 1, wake, wake + 1}):
+        assert tenant.rate_allows(now) == (now >= wake), (estimate, now, wake)
+
+
+def test_grants_waiting_for_the_lanes_first_usage_have_no_timer() -> None:
+    # A record (the usage of the one call granted meanwhile), not the clock, ends that wait.
+    assert _tenant(500.0).model_copy(update={"reservations_open": 1}).deferred_due_at() is None
 
 
 def test_a_tenant_without_deferred_runs_has_no_timer() -> None:

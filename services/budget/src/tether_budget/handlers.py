@@ -326,7 +326,7 @@ def check_run_timers(run_id: str, ctx: Context, *, deps: Deps) -> None:
 def check_tenant_timers(key: str, ctx: Context, *, deps: Deps) -> None:
     """Grants deferred by the tenant's token rate, longest waiting first, once its bucket refills."""
     state = ctx.get_state(key)
-    if not isinstance(state, TenantLedger) or not state.deferred or state.level_at(ctx.now_ms) <= 0:
+    if not isinstance(state, TenantLedger) or not state.deferred or not state.rate_allows(ctx.now_ms):
         return
     tenant = state.clone()
     freed = False

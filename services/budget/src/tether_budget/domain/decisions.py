@@ -375,7 +375,7 @@ def _grant_or_stop(ledger: Ledger, now_ms: int, tenant: TenantLedger | None) -> 
     breach = _grant_breach(ledger, step, now_ms) or _tenant_breach(tenant, now_ms)
     if breach is not None:
         return _terminate(ledger, *breach, now_ms)
-    if tenant is not None and tenant.over_rate(now_ms):
+    if tenant is not None and not tenant.rate_allows(now_ms):
         # Deferred, not denied: the budget's timer grants it when the tenant's bucket refills.
         tenant.defer(ledger.run_id)
         ledger.deferred_step = step

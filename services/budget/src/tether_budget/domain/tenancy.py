@@ -56,6 +56,10 @@ class TenantLedger(BaseModel):
     tokens: float | None = Field(None, description="Token bucket level (None = full); negative after overuse.")
     tokens_at_ms: int = 0
     step_tokens_estimate: float = Field(0.0, description="Moving average of tokens per model call.")
+    usage_samples: int = Field(0, ge=0, description="Model calls whose usage was recorded on this lane (until one "
+                               "was, the estimate is unknown and one grant at a time takes a reservation).")
+    reservations_open: int = Field(0, ge=0, description="Grants holding a token reservation whose model call has "
+                                   "not returned yet.")
 
     _touched: bool = PrivateAttr(False)
 
@@ -126,8 +130,10 @@ class TenantLedger(BaseModel):
             if run_id in line:
                 line.remove(run_id)
                 self.touch()
-        if reserved_tokens and self.tokens is not None:
-            self.tokens += reserved_tokens
+        if reserved_tokens:
+            self.reservations_open = max(0, self.reservations_open - 1)
+            if self.tokens is not None:
+                self.tokens += reserved_tokens
             self.touch()
 
     # -- spend ----------------------------------------------------------------------------------
@@ -173,16 +179,53 @@ class TenantLedger(BaseModel):
         """Tokens the tenant may still start model calls with now (inf without a rate cap)."""
         return self._refill(now_ms)
 
-    def over_rate(self, now_ms: int) -> bool:
-        return self._refill(now_ms) <= 0
+    @property
+    def estimate_known(self) -> bool:
+        return self.usage_samples > 0 or self.step_tokens_estimate > 0
+
+    def reservation(self) -> int:
+        """The tokens a grant reserves: the moving average of a model call's (at least 1)."""
+        return max(1, round(self.step_tokens_estimate))
+
+    def _waits_for_first_usage(self) -> bool:
+        # Until a model call's usage was recorded on the lane, a reservation says nothing about
+        # what a call costs: a guessed default can be off by any factor, and N runs granted at
+        # once on it overshoot the bucket N times over (50 runs on a 1,000-token bucket used
+        # 250,000 tokens before the first usage arrived). One call at a time until the first
+        # usage is recorded bounds the overshoot by that one call, which keeps the promise of
+        # bursts of (about) one minute's worth; the price is the latency of one model call, once
+        # per lane.
+        return not self.estimate_known and self.reservations_open > 0
+
+    def _needed(self) -> float:
+        # A call larger than a minute's worth still goes once the bucket is full, or never would.
+        return float(min(self.reservation(), self.limits.tokens_per_minute))
+
+    def rate_allows(self, now_ms: int) -> bool:
+        """Whether a grant may take its reservation now: the bucket holds at least the reservation
+        (so grants never draw the bucket below zero on an estimate), and, while the lane's tokens
+        per call are unknown, no other grant holds a reservation. Read-only."""
+        if self.limits.tokens_per_minute <= 0:
+            return True
+        return not self._waits_for_first_usage() and self.level_at(now_ms) >= self._needed()
 
     def refill_at(self, now_ms: int) -> int:
-        """When the bucket is above zero again (an estimate recorded with a deferral)."""
-        level = self._refill(now_ms)
+        """When the bucket holds a grant's reservation again (an estimate recorded with a deferral;
+        `now_ms` while the grant waits for the lane's first usage, which no clock can tell)."""
+        due = self._due_at()
+        return now_ms if due is None else max(now_ms, due)
+
+    def _due_at(self) -> int | None:
         tpm = self.limits.tokens_per_minute
-        if tpm <= 0 or level > 0:
-            return now_ms
-        return now_ms + int(-level * MINUTE_MS / tpm) + 1
+        if tpm <= 0 or self.tokens is None:
+            return 0
+        if self._waits_for_first_usage():
+            return None
+        need = self._needed()
+        if self.tokens >= need:
+            return 0
+        # level_at(now) >= need  ⇔  now - tokens_at_ms >= (need - tokens) * MINUTE_MS / tpm
+        return self.tokens_at_ms + math.ceil((need - self.tokens) * MINUTE_MS / tpm)
 
     def reserve(self, now_ms: int) -> int:
         """A grant takes the expected tokens of one model call from the bucket (at least 1);
@@ -190,8 +233,9 @@ class TenantLedger(BaseModel):
         if self.limits.tokens_per_minute <= 0:
             return 0
         self._refill(now_ms)
-        amount = max(1, round(self.step_tokens_estimate))
+        amount = self.reservation()
         self.tokens = (self.tokens or 0.0) - amount
+        self.reservations_open += 1
         self.touch()
         return amount
 
@@ -201,19 +245,16 @@ class TenantLedger(BaseModel):
             self.touch()
 
     def deferred_due_at(self) -> int | None:
-        """The earliest clock value at which deferred grants may go (`level_at` above zero), or
-        None without deferred runs: the loop's timer index for the tenant ledger."""
+        """The earliest clock value at which deferred grants may go (`rate_allows`), or None
+        without deferred runs or while they wait for the lane's first usage (a record, not the
+        clock, ends that wait): the loop's timer index for the tenant ledger."""
         if not self.deferred:
             return None
-        tpm = self.limits.tokens_per_minute
-        if tpm <= 0 or self.tokens is None or self.tokens > 0:
-            return 0  # the bucket has room at any time
-        # level_at(now) > 0  ⇔  now - tokens_at_ms > -tokens * MINUTE_MS / tpm
-        return self.tokens_at_ms + math.floor(-self.tokens * MINUTE_MS / tpm) + 1
+        return self._due_at()
 
     def next_deferred(self, now_ms: int) -> str | None:
-        """Take the run deferred longest ago if the bucket has room again."""
-        if not self.deferred or self.over_rate(now_ms):
+        """Take the run deferred longest ago if the bucket has room for its grant again."""
+        if not self.deferred or not self.rate_allows(now_ms):
             return None
         self.touch()
         return self.deferred.pop(0)
@@ -226,6 +267,9 @@ class TenantLedger(BaseModel):
         if self.limits.tokens_per_minute > 0:
             self._refill(now_ms)
             self.tokens = (self.tokens or 0.0) + reserved_tokens - tokens
+        if reserved_tokens:
+            self.reservations_open = max(0, self.reservations_open - 1)
+        self.usage_samples += 1
         if tokens > 0:
             self.step_tokens_estimate = (
                 float(tokens) if self.step_tokens_estimate <= 0
