@@ -18,6 +18,8 @@ import argparse
 import asyncio
 import json
 import operator
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +35,10 @@ KV_GET_TOOL = {"type": "function", "function": {
     "name": "kv_get", "description": "Read the JSON value stored under a key in the key-value store.",
     "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"],
                    "additionalProperties": False}}}
+
+
+# How long past its measured window a worker may take (start-up, the last runs, writing its result).
+WORKER_OVERRUN_S = 300.0
 
 
 class AgentState(TypedDict):
@@ -139,20 +145,23 @@ def run_peer(*, dsn: str, model_url: str, kv_url: str, goal_marker: str, steps_p
     """Run the LangGraph workload in `processes` processes at once; steps/s over the common window."""
     schema = f"bench_langgraph_{uuid.uuid4().hex[:8]}"
     prepare_schema(dsn, schema)
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs = []
         outs = []
         for i in range(processes):
             out = workdir / f"langgraph-{i}.json"
             outs.append(out)
-            procs.append(subprocess.Popen(
-                [python, "-m", "tether_bench.peer_langgraph", "worker", "--dsn", dsn, "--schema", schema,
-                 "--model-url", model_url, "--kv-url", kv_url, "--goal-marker", goal_marker,
-                 "--concurrency", str(max(1, concurrency // processes)), "--seconds", str(seconds),
-                 "--out", str(out)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(workdir / f"langgraph-{i}.log", "w")))
+            with open(workdir / f"langgraph-{i}.log", "w") as log:
+                # A session of its own: a terminal's Ctrl-C reaches the bench alone, whose finally stops it.
+                procs.append(subprocess.Popen(
+                    [python, "-m", "tether_bench.peer_langgraph", "worker", "--dsn", dsn, "--schema", schema,
+                     "--model-url", model_url, "--kv-url", kv_url, "--goal-marker", goal_marker,
+                     "--concurrency", str(max(1, concurrency // processes)), "--seconds", str(seconds),
+                     "--out", str(out)],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True))
+        deadline = time.monotonic() + seconds + WORKER_OVERRUN_S
         for proc in procs:
-            proc.wait(timeout=seconds + 300)
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         results = [json.loads(out.read_text()) for out in outs if out.exists()]
         if len(results) != processes:
             raise RuntimeError(f"LangGraph workers failed; see {workdir}/langgraph-*.log")
@@ -168,7 +177,32 @@ def run_peer(*, dsn: str, model_url: str, kv_url: str, goal_marker: str, steps_p
             "durability": "sync", "checkpointer": "AsyncPostgresSaver",
         }
     finally:
+        stop_workers(procs)
         drop_schema(dsn, schema)
+
+
+def stop_workers(procs: list[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+    """Stop the workers still running (the bench was stopped, or they overran): SIGTERM to each one's
+    process group, then SIGKILL to the groups still there after `grace_s`. Left alone they would keep
+    running, orphaned, against a dropped schema."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait(timeout=grace_s)
+
+
+def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
+    # Each worker leads its own session, so its process group id is its pid.
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
