@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tether_contracts.records import AgentSpec, Caps, ModelRef, ToolSpec
 from tether_run_api.adapters.postgres import ALL_PRINCIPALS, PostgresStore
@@ -17,7 +17,7 @@ from tether_run_api.domain.auth import (
 )
 from tether_run_api.domain.catalog import AGENT_ID, TOOL_NAME
 from tether_run_api.domain.errors import FieldViolation, InvalidArgument
-from tether_run_api.domain.tenancy import TenantPolicy
+from tether_run_api.domain.tenancy import TenantPolicy, limits_below_spread
 from tether_run_api.domain.text import check_no_nul
 
 DEMO_AGENT_ID = "demo"
@@ -60,25 +60,31 @@ def _check_roles(roles: Iterable[str]) -> tuple[str, ...]:
 
 
 def create_tenant(store: PostgresStore, tenant_id: str, *, display_name: str = "", spread: int = 1) -> None:
-    """Create (or rename / re-spread) a tenant. A new spread applies to runs submitted afterwards."""
+    """Create (or rename / re-spread) a tenant. A new spread applies to runs submitted afterwards;
+    it may not exceed any of the tenant's limits (each of its lanes holds at least 1 of a limit)."""
     if not AGENT_ID.match(tenant_id):
         raise InvalidArgument(FieldViolation("tenant_id", "must match [a-z][a-z0-9-]{0,62}"))
     if spread < 1:
         raise InvalidArgument(FieldViolation("spread", "must be at least 1"))
     if bad := check_no_nul(display_name, "display_name"):
         raise InvalidArgument(bad)
+    if spread > 1 and (bad := limits_below_spread(replace(store.tenant_policy(tenant_id), spread=spread))):
+        raise InvalidArgument(bad)
     store.ensure_tenant(tenant_id, display_name, spread)
 
 
 def set_tenant_limits(store: PostgresStore, tenant_id: str, policy: TenantPolicy) -> None:
-    """Set a tenant's limits (totals over its spread; 0 = no limit). New submits carry them at once;
-    runs already queued or running keep their place (docs/tenancy.md)."""
+    """Set a tenant's limits (totals over its spread; 0 = no limit, else at least the spread). New
+    submits carry them at once; runs already queued or running keep their place (docs/tenancy.md)."""
     names = ("max_concurrent_runs", "max_queued_runs", "spend_cap_usd_micros", "spend_window_ms", "tokens_per_minute")
     bad = check_no_nul(tenant_id, "tenant_id")
     bad += [FieldViolation(n, "must not be negative (0 = no limit)") for n in names if getattr(policy, n) < 0]
     if policy.max_queued_runs > 0 and policy.max_concurrent_runs <= 0:
         bad.append(FieldViolation("max_queued_runs", "a queue needs a concurrency cap (max_concurrent_runs > 0)"))
     if bad:
+        raise InvalidArgument(bad)
+    # The spread is the stored one (the policy's own is ignored: this sets limits only).
+    if bad := limits_below_spread(replace(policy, spread=store.tenant_spread(tenant_id))):
         raise InvalidArgument(bad)
     if not store.set_tenant_limits(tenant_id, policy):
         raise InvalidArgument(FieldViolation("tenant_id", f"no tenant {tenant_id!r}; create it first"))

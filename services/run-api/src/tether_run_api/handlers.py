@@ -313,7 +313,7 @@ def submit_run(
             admission.admit(tenant, policy, now_ms)
         tools = catalog.latest_enabled_tools(tenant, list(agent.spec.tool_allowlist))
         grants = catalog.grants_for(tenant, principal.principal_id)
-        partition = partition_for(tenant, run_id, partitioning.partitions, policy.spread)
+        partition = partition_for(tenant, run_id, partitioning.partitions, policy.lanes(partitioning.partitions))
         limits = lane_limits(policy, tenant, partition, partitioning.partitions)
         command = build_submit(principal, req, agent.spec, [t.spec for t in tools], grants, limits)
         envelope = make_envelope(
@@ -419,9 +419,10 @@ def _run_partition(
     submission = ledger.find_run(tenant, run_id)
     if submission is not None:
         return submission.partition
-    # A run this ledger did not submit (restored from elsewhere): the current spread is the
-    # best knowledge, and equals the submit-time choice unless the spread changed since.
-    return partition_for(tenant, run_id, partitioning.partitions, catalog.tenant_spread(tenant))
+    # A run this ledger did not submit (restored from elsewhere): the current lanes are the best
+    # knowledge, and equal the submit-time choice unless the spread or the limits changed since.
+    lanes = catalog.tenant_policy(tenant).lanes(partitioning.partitions)
+    return partition_for(tenant, run_id, partitioning.partitions, lanes)
 
 
 # -- runs: queries ----------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -42,6 +44,8 @@ app.add_typer(audit_app, name="audit")
 
 _STATE: dict[str, Any] = {}
 EXIT_NOT_COMPLETED = 2
+#: Exit code when an admin command's arguments are refused (INVALID_ARGUMENT: the message names each field).
+EXIT_INVALID_ARGUMENT = 5
 _TERMINAL = {runs_pb.RUN_STATUS_COMPLETED, runs_pb.RUN_STATUS_TERMINATED, runs_pb.RUN_STATUS_REJECTED}
 
 
@@ -468,6 +472,17 @@ tools_app.command("update")(user_tools.update)
 # -- admin (PostgreSQL) ----------------------------------------------------------------------------
 
 
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """An admin use case's INVALID_ARGUMENT as a one-line error and its own exit code, not a traceback."""
+    from tether_run_api.domain.errors import InvalidArgument
+
+    try:
+        yield
+    except InvalidArgument as err:
+        raise CliError(f"{err.reason}: {err.message}", exit_code=EXIT_INVALID_ARGUMENT) from None
+
+
 def _store():
     from tether_run_api.bootstrap import open_store
     from tether_run_api.settings import RunApiSettings
@@ -486,7 +501,8 @@ def admin_create_tenant(
     """Create a tenant (or change its name / spread)."""
     from tether_run_api import admin
 
-    admin.create_tenant(_store(), tenant_id, display_name=display_name, spread=spread)
+    with _refusals():
+        admin.create_tenant(_store(), tenant_id, display_name=display_name, spread=spread)
     render.console.print(f"tenant {tenant_id} (spread {spread})")
 
 
@@ -506,7 +522,8 @@ def admin_tenant_limits(
     policy = TenantPolicy(max_concurrent_runs=max_concurrent_runs, max_queued_runs=max_queued_runs,
                           spend_cap_usd_micros=spend_cap_usd_micros, spend_window_ms=spend_window_ms,
                           tokens_per_minute=tokens_per_minute)
-    admin.set_tenant_limits(_store(), tenant_id, policy)
+    with _refusals():
+        admin.set_tenant_limits(_store(), tenant_id, policy)
     render.console.print(f"tenant {tenant_id}: {policy}")
 
 

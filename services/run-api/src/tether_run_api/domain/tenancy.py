@@ -16,7 +16,10 @@ from typing import Protocol
 
 from tether_contracts.records import TenantLimits
 from tether_messaging.partitioner import home_partition
-from tether_run_api.domain.errors import BackendUnavailable, TenantQueueFull
+from tether_run_api.domain.errors import BackendUnavailable, FieldViolation, TenantQueueFull
+
+#: The limits split over a tenant's lanes (the spend window is not a quantity: every lane has it whole).
+SPLIT_LIMITS = ("max_concurrent_runs", "max_queued_runs", "spend_cap_usd_micros", "tokens_per_minute")
 
 
 @dataclass(frozen=True)
@@ -37,12 +40,39 @@ class TenantPolicy:
             return None
         return self.max_concurrent_runs + max(0, self.max_queued_runs)
 
+    def lanes(self, partitions: int) -> int:
+        """How many partition lanes the tenant's runs use: its spread, at most the partition count
+        and at most its smallest limit, so every lane's share is at least 1 and the shares add up
+        to each total (a lane cannot hold half a run; giving it 1 would raise the tenant's cap).
+
+        Normally the spread itself: the admin use cases refuse limits below the spread. A tenant
+        stored before that check keeps its caps by using fewer lanes for its new runs.
+        """
+        limits = [getattr(self, name) for name in SPLIT_LIMITS if getattr(self, name) > 0]
+        return max(1, min([self.spread, partitions, *limits]))
+
+
+def limits_below_spread(policy: TenantPolicy) -> list[FieldViolation]:
+    """A violation for every non-zero limit smaller than the spread: split over the spread's lanes,
+    each lane would still hold at least 1, and the tenant would get more than the limit."""
+    return [
+        FieldViolation(
+            name,
+            f"{value} is below the tenant's spread {policy.spread}: every lane holds at least 1, so the "
+            f"minimum is {policy.spread} (or 0 = no limit); lower the spread or raise the limit",
+            reason="LIMIT_BELOW_SPREAD",
+        )
+        for name in SPLIT_LIMITS
+        if 0 < (value := getattr(policy, name)) < policy.spread
+    ]
+
 
 def lane_share(total: int, spread: int, lane: int) -> int:
     """The part of a tenant total that lane `lane` (0-based within the spread) enforces.
 
     The total is split as evenly as possible, the first lanes taking the remainder; every lane
-    gets at least 1 of a non-zero total (a lane with 0 would mean "no limit").
+    gets at least 1 of a non-zero total (a lane with 0 would mean "no limit"), so the shares add
+    up to the total only when it is at least the spread (`TenantPolicy.lanes` sees to that).
     """
     if total <= 0:
         return 0
@@ -51,8 +81,11 @@ def lane_share(total: int, spread: int, lane: int) -> int:
 
 
 def lane_limits(policy: TenantPolicy, tenant_id: str, partition: int, partitions: int) -> TenantLimits:
-    """The TenantLimits a SubmitRun to `partition` carries: this lane's share of every total."""
-    spread = max(1, min(policy.spread, partitions))
+    """The TenantLimits a SubmitRun to `partition` carries: this lane's share of every total.
+
+    `partition` must be one of the tenant's `policy.lanes(partitions)` lanes (`partition_for` with that spread).
+    """
+    spread = policy.lanes(partitions)
     lane = (partition - home_partition(tenant_id, partitions)) % partitions
     return TenantLimits(
         max_concurrent_runs=lane_share(policy.max_concurrent_runs, spread, lane),
