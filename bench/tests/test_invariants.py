@@ -114,7 +114,9 @@ def evidence_for_clean_runs(runs: list[str]) -> Evidence:
     for run in runs:
         put, mail = clean_run(log, run)
         kv.append({"op": "put", "idempotency_key": put, "applied": True, "ts_ms": 100})
-        smtp.append({"idempotency_key": mail, "ts_ms": 200})
+        # sent once the approval was decided, before the gateway recorded the outcome
+        decided = next(e for e in reversed(log.envelopes) if e.event_type == "tether.v1.ApprovalDecided")
+        smtp.append({"idempotency_key": mail, "ts_ms": decided.recorded_at_ms + 1})
         models += [model_answer(run, s, 50 * s) for s in (1, 2, 3)]
     return Evidence(submitted={r: "t0" for r in runs}, log=log.envelopes, kv_records=kv, smtp_records=smtp,
                     model_requests=models)
@@ -151,7 +153,7 @@ def test_an_effect_applied_twice_is_a_duplicate_and_an_email_sent_twice_is_also_
     put = ev.kv_records[0]["idempotency_key"]
     mail = ev.smtp_records[0]["idempotency_key"]
     ev.kv_records = [*ev.kv_records, {"op": "put", "idempotency_key": put, "applied": True, "ts_ms": 150}]
-    ev.smtp_records = [*ev.smtp_records, {"idempotency_key": mail, "ts_ms": 250}]
+    ev.smtp_records = [*ev.smtp_records, {"idempotency_key": mail, "ts_ms": ev.smtp_records[0]["ts_ms"] + 2}]
     report = check(ev)
     assert report["duplicate_effects"] == 2
     # The kv write ran twice with no fault between: silent; the email ran twice with no OutcomeUnknown: silent.
@@ -261,3 +263,80 @@ def test_the_checker_and_the_observer_read_a_log_in_the_registry_wire_format(kaf
         assert set(observer.terminal) == {"r1", "r2"}
     finally:
         observer.stop()
+
+
+def test_an_approval_left_open_counts_as_stuck_when_the_approver_bot_serves_the_tenant() -> None:
+    ev = evidence_for_clean_runs(["r1"])
+    log = Log()
+    log.envelopes = list(ev.log)
+    log.add("r2", "tether.v1.RunAccepted")
+    mail = log.step_with_tool("r2", 1, "send_email")
+    log.add("r2", ApprovalRequested(approval_id="apr_x", step=1, call_id="1.0", idem_key=mail, tool_name="send_email",
+                                    args_json="{}", args_hash="h", risk_class=RiskClass.IRREVERSIBLE,
+                                    reasons=["RISK_CLASS"], expires_at_ms=9, policy_version="p", inputs_hash="i"))
+    ev.log = log.envelopes
+    ev.submitted = {"r1": "t0", "r2": "t0"}
+    assert check(ev)["stuck_runs"] == 0  # no bot: a human may still decide
+    # The bot decides every approval of t0 (and said it approved this one): the decision was lost.
+    ev.approver_tenants = frozenset({"t0"})
+    ev.bot_decisions = {"apr_x": "APPROVED"}
+    report = check(ev)
+    assert report["stuck_runs"] == 1 and report["info"]["waiting_on_human"] == 0
+    assert "bot APPROVED" in report["details"]["stuck_runs"][0]
+    ev.approver_tenants = frozenset({"t1"})  # another tenant's bot: still a human's to decide
+    assert check(ev)["stuck_runs"] == 0
+
+
+def test_an_email_sent_before_its_approval_could_have_been_granted_is_unapproved() -> None:
+    ev = evidence_for_clean_runs(["r1"])
+    mail = ev.smtp_records[0]["idempotency_key"]
+    sent = ev.smtp_records[0]["ts_ms"]
+    approval = f"apr_{mail[:8]}"
+    assert check(ev)["unapproved_effects"] == 0
+    # The bot's Decide call began after the sink had the email: it cannot have been approved then.
+    ev.approval_asked_ms = {approval: sent + 0.4 + 50}
+    report = check(ev)
+    assert report["unapproved_effects"] == 1
+    assert "before the bot first asked" in report["details"]["unapproved_effects"][0]
+    # Asked within the same millisecond (the sink stamps whole ms): not a violation.
+    ev.approval_asked_ms = {approval: sent + 0.9}
+    assert check(ev)["unapproved_effects"] == 0
+    # Without the bot's record, the decision's decided_at_ms is the bound.
+    ev.approval_asked_ms = {}
+    ev.smtp_records = [{"idempotency_key": mail, "ts_ms": 1_000}]  # before the log's decision (~1110)
+    assert check(ev)["unapproved_effects"] == 1
+
+
+def test_a_tool_executed_after_its_outcome_was_committed_is_silent_whatever_faults_happened() -> None:
+    ev = evidence_for_clean_runs(["r1"])
+    put = ev.kv_records[0]["idempotency_key"]
+    done = next(e for e in ev.log if e.event_type == "tether.v1.ToolCallCompleted")
+    ev.kv_records = [*ev.kv_records, {"op": "put", "idempotency_key": put, "applied": False, "duplicate": True,
+                                      "ts_ms": 9_000}]
+    ev.faults = [Fault("kafka", 5_000, 6_000), Fault("tool-gateway", 100, 9_500)]
+    ev.ledger_attempts = {put: 2}
+    report = check(ev)
+    assert report["silent_reexecutions"] == 1
+    assert "after its outcome was committed" in report["details"]["silent_reexecutions"][0]
+    # Before its outcome was read by the observer (so maybe not committed yet), a fault excuses it.
+    ev.seen_at_ms = {(done.run_id, done.seq): 9_001}
+    assert check(ev)["silent_reexecutions"] == 0
+    # An attempt counted by two rules (after the commit, and no fault between) is counted once.
+    ev.seen_at_ms, ev.faults = {}, []
+    assert check(ev)["silent_reexecutions"] == 1
+
+
+def test_runs_in_the_log_without_a_client_are_counted_and_checked_but_never_lost() -> None:
+    ev = evidence_for_clean_runs(["r1"])
+    log = Log()
+    log.clock = 50_000
+    log.add("r-orphan", "tether.v1.RunAccepted")
+    log.step_with_tool("r-orphan", 1, "kv_put")  # and nothing more
+    ev.log = [*ev.log, *log.envelopes]
+    ev.model_requests = [*ev.model_requests, model_answer("r-orphan", 1, 50_010), model_answer("r-orphan", 1, 50_020)]
+    report = check(ev)
+    assert report["runs"] == 2 and report["info"]["submitted"] == 1
+    assert report["info"]["runs_without_a_client"] == 1
+    assert report["lost_runs"] == 0
+    assert report["stuck_runs"] == 1
+    assert report["duplicate_model_calls"] == 1

@@ -27,10 +27,18 @@ import psycopg
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tether_bench.common import BenchError, LoadSampler, StackControl, StackSettings, machine, stop_cleanly_on_sigterm
+from tether_bench.common import (
+    RUN_ACCEPTED,
+    BenchError,
+    LoadSampler,
+    StackControl,
+    StackSettings,
+    machine,
+    stop_cleanly_on_sigterm,
+)
 from tether_bench.invariants import Evidence, Fault, check, violated
 from tether_bench.load import ApproverBot, ClosedLoop, make_tenants
-from tether_bench.observer import LogObserver
+from tether_bench.observer import Approval, LogObserver
 from tether_bench.scenarios import chaos_mix, write_scenarios
 from tether_devservices.recorder import read_records
 from tether_messaging.logreader import read_to_end
@@ -91,16 +99,32 @@ class Chaos:
         #: Set when the run is cut short (SIGTERM, an error): nothing starts a process any more.
         self._aborted = threading.Event()
         self._restarts: list[threading.Thread] = []
+        self._supervisor: threading.Thread | None = None
+        #: approval_id -> wall clock (ms) when the bot first asked to decide it (read before the call).
+        self.approval_asked_ms: dict[str, float] = {}
         self.load = LoadSampler()
 
     def abort(self) -> None:
-        """Stop every thread that could start a service again, before the system is stopped: a
-        restart after `system.stop()` would leave a process behind (a SIGTERM did, once)."""
-        self._aborted.set()
+        """Stop every thread that could start a service again, and wait for a restart already under
+        way, before the system is stopped: a restart after `system.stop()` would leave a process
+        behind (a SIGTERM did, once). Once `_aborted` is set (under the lock every restart checks it
+        under), no restart begins."""
+        with self._lock:
+            self._aborted.set()
         self._stop_faults.set()
         self._stop_supervisor.set()
         for thread in self._restarts:
-            thread.join(timeout=30)
+            thread.join(timeout=120)  # a restart waits up to 60 s for its health check
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=120)
+
+    def _approve(self, approval: Approval) -> bool:
+        """The bot's verdict (always approve), noting when it first asked: an email sent before that
+        cannot have been approved (the invariant checker's `unapproved_effects`)."""
+        now_ms = time.time() * 1000
+        with self._lock:
+            self.approval_asked_ms.setdefault(approval.approval_id, now_ms)
+        return True
 
     def note(self, **entry: Any) -> None:
         entry["t_ms"] = round(time.time() * 1000)
@@ -127,7 +151,8 @@ class Chaos:
         self.observer = LogObserver(self.stack.kafka_bootstrap, self.system.names.topics.run_events,
                                     self.s.partitions, schema_registry_url=self.stack.schema_registry_url).start()
         self.tenants = make_tenants(self.system, self.s.tenants)
-        self.bot = ApproverBot({t.tenant_id: t for t in self.tenants}, threads=4).attach(self.observer)
+        self.bot = ApproverBot({t.tenant_id: t for t in self.tenants}, approve=self._approve,
+                               threads=4).attach(self.observer)
         self.driver = ClosedLoop(self.observer, self.tenants, [self.fast, self.slow], concurrency=self.s.concurrency,
                                  submit_threads=8)
 
@@ -153,6 +178,9 @@ class Chaos:
         def later() -> None:
             if self._aborted.wait(self.rng.uniform(self.s.restart_after_min_s, self.s.restart_after_max_s)):
                 return
+            with self._lock:
+                if self._aborted.is_set():
+                    return
             try:
                 self.system.restart(name)
                 self.note(fault="restarted", target=name, pid=self.system.processes[name].pid)
@@ -223,10 +251,9 @@ class Chaos:
             for name in self.services():
                 proc = self.system.processes[name]
                 with self._lock:
-                    ours = name in self._down
-                if ours or proc.running or self._aborted.is_set():
-                    continue
-                with self._lock:
+                    # Checked under the lock abort() sets it under: no restart begins after abort().
+                    if name in self._down or proc.running or self._aborted.is_set():
+                        continue
                     self._down.add(name)
                 self.service_exits.append({"component": name, "returncode": proc.returncode,
                                            "t_ms": round(time.time() * 1000)})
@@ -249,7 +276,7 @@ class Chaos:
         info: dict[str, Any] = {"seed": self.seed, "machine": machine(), "seconds": self.s.seconds}
         self.start()
         info["namespace"] = self.system.namespace
-        supervisor = threading.Thread(target=self._supervise, daemon=True)
+        supervisor = self._supervisor = threading.Thread(target=self._supervise, daemon=True)
         supervisor.start()
         clients = threading.Thread(target=self.driver.run, args=(24 * 3600,), daemon=True)
         clients.start()
@@ -283,10 +310,18 @@ class Chaos:
         clients.join(timeout=120)
         drain_began = time.monotonic()
         left = self.driver.drain(self.s.drain_s)
+        # Runs no client waits for (accepted by run-api's sweeper after their submit gave up) are
+        # checked too: they get what is left of the drain.
+        deadline = drain_began + self.s.drain_s
+        while self._clientless_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.5)
         info["drain_s"] = round(time.monotonic() - drain_began, 1)
         info["in_flight_after_drain"] = len(left)
+        info["clientless_in_flight_after_drain"] = len(self._clientless_in_flight())
         self._stop_supervisor.set()
-        supervisor.join(timeout=60)
+        supervisor.join(timeout=120)  # a restart under way finishes before the system stops
+        if supervisor.is_alive():
+            self.note(event="supervisor_still_restarting")
         self.driver.close()
         self.bot.close()
         self.observer.stop()
@@ -308,6 +343,12 @@ class Chaos:
         report["info"]["wall_s"] = round(time.monotonic() - began_wall, 1)
         return report
 
+    def _clientless_in_flight(self) -> list[str]:
+        submitted = self.driver.submitted
+        return [run for run, events in self.observer.snapshot().items()
+                if run not in submitted and not self.observer.is_terminal(run)
+                and any(e.event_type == RUN_ACCEPTED for e in events)]
+
     def check(self) -> dict[str, Any]:
         names = self.system.names
         # Either wire format: with TETHER_SCHEMA_REGISTRY_URL set the services wrote the registry's.
@@ -324,6 +365,11 @@ class Chaos:
             model_requests=read_request_log(self.system.model_request_log),
             ledger_attempts={key: attempt for key, attempt in rows},
             faults=list(self.faults),
+            approver_tenants=frozenset(self.bot.tenants),
+            approval_asked_ms=dict(self.approval_asked_ms),
+            bot_decisions=dict(self.bot.decided),
+            seen_at_ms={(run, e.seq): e.seen_ms for run, events in self.observer.snapshot().items()
+                        for e in reversed(events)},  # reversed: a repeat keeps the first read
         )
         return check(evidence)
 
