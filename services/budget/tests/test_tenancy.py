@@ -337,3 +337,23 @@ def test_before_the_lanes_first_usage_one_grant_at_a_time_so_a_burst_stays_about
     minutes = (harness.driver.now_ms - t0) / 60_000
     assert lowest >= 0  # no grant drew the bucket below zero: at most a burst of one minute's worth
     assert 1_000 * minutes <= used <= 1_000 + 1_000 * minutes  # the rate is used, not exceeded
+
+
+def test_a_run_finishing_a_step_between_ticks_does_not_overtake_the_deferred_line(harness):
+    limits = cap(5, 5, tokens_per_minute=1_000)
+    harness.submit("r1", limits=limits)
+    harness.model(1, 1, "r1", tokens=10)
+    harness.submit("r2", limits=limits)
+    harness.model(1, 1, "r2", tokens=1_500)  # the bucket: 1,000 - 1,510
+    harness.request(1, 0, "r1")
+    harness.request(1, 0, "r2")
+    assert types(harness.done("1.0", "r1")) == ["ToolCallCompleted", "StepDeferred"]
+    # The bucket holds one grant's reservation again; the budget's tick has not run yet.
+    harness.driver.now_ms = harness.tenant().deferred_due_at()
+    out = harness.done("1.0", "r2")
+    # r1, waiting longest, gets the refill at once (not at the next tick), and r2 waits behind it.
+    assert types(out) == ["StepGranted", "ToolCallCompleted", "StepDeferred"]
+    assert types(harness.log_payloads("r2"))[-2:] == ["ToolCallCompleted", "StepDeferred"]
+    assert types(harness.log_payloads("r1"))[-2:] == ["StepDeferred", "StepGranted"]
+    assert harness.tenant().deferred == ["r2"]
+    assert harness.tick() == []  # the refill went to r1; r2 waits for the next one

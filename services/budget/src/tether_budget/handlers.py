@@ -136,6 +136,35 @@ def admit_from_queue(tenant: TenantLedger, ctx: Context, *, deps: Deps) -> None:
         write_plan(plan, queued, ctx, deps=deps, inbound=None)
 
 
+def grant_from_line(tenant: TenantLedger, ctx: Context, *, deps: Deps) -> bool:
+    """Grant deferred steps, longest waiting first, while the tenant's bucket allows. True if a
+    run ended instead (over the spend cap, out of wall clock), so a slot may be free."""
+    freed = False
+    while (run_id := tenant.next_deferred(ctx.now_ms)) is not None:
+        ledger = _load(ctx, run_id)
+        if ledger is None:
+            continue
+        plan = grant_deferred(ledger, tenant, now_ms=ctx.now_ms)
+        freed = _release_if_ended(ledger, True, tenant) or freed
+        write_plan(plan, ledger, ctx, deps=deps, inbound=None)
+    return freed
+
+
+def serve_tenant(tenant: TenantLedger | None, ctx: Context, *, deps: Deps, freed: bool = False) -> None:
+    """After any change to the tenant's ledger: accept queued runs into free slots, and grant the
+    deferred line as far as the bucket allows now. A grant behind a non-empty line is deferred
+    (decisions._grant_or_stop), so the line is served here at once rather than on the next tick
+    (about a second later), and waiting in line adds no latency while the bucket has room."""
+    if tenant is None:
+        return
+    while True:
+        if freed:
+            admit_from_queue(tenant, ctx, deps=deps)
+        freed = grant_from_line(tenant, ctx, deps=deps)
+        if not freed:
+            return
+
+
 def _decision_envelope(
     payload: AvroRecord, what: tuple, ledger: Ledger, ctx: Context, cause: Envelope | None
 ) -> Envelope:
@@ -244,7 +273,7 @@ def submit_run(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
     )
     write_plan(plan, ledger, ctx, deps=deps, inbound=env)
     if tenant is not None:
-        admit_from_queue(tenant, ctx, deps=deps)  # the new limits may have freed slots
+        serve_tenant(tenant, ctx, deps=deps, freed=True)  # the new limits may have freed slots
         _save_tenant(tenant, ctx)
 
 
@@ -259,8 +288,7 @@ def cancel_run(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
     tenant = _load_tenant(ctx, ledger.tenant_id) if ledger.tenant_tracked else None
     freed = _release_if_ended(ledger, was_open, tenant)
     write_plan(plan, ledger, ctx, deps=deps, inbound=env)
-    if freed:
-        admit_from_queue(tenant, ctx, deps=deps)
+    serve_tenant(tenant, ctx, deps=deps, freed=freed)
     _save_tenant(tenant, ctx)
 
 
@@ -282,6 +310,10 @@ def sequence_intake(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
             "WRONG_PARTITION", f"run {env.run_id} lives on partition {ledger.partition}, record came on {ctx.partition}"
         )
     tenant = _load_tenant(ctx, ledger.tenant_id) if ledger.tenant_tracked else None
+    if tenant is not None and ledger.active and ledger.run_id not in tenant.deferred:
+        # Runs already waiting go before a grant this record may bring (this run's own ledger is
+        # in hand, so only while it is not one of them).
+        serve_tenant(tenant, ctx, deps=deps)
     was_open, usage_before, model_call_open = ledger.open, ledger.usage, _model_call_open(ledger)
     plan = fold(
         ledger,
@@ -296,8 +328,7 @@ def sequence_intake(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
     _settle_usage(ledger, usage_before, tenant, ctx.now_ms, model_call_returned=returned)
     freed = _release_if_ended(ledger, was_open, tenant)
     write_plan(plan, ledger, ctx, deps=deps, inbound=env)
-    if freed:
-        admit_from_queue(tenant, ctx, deps=deps)
+    serve_tenant(tenant, ctx, deps=deps, freed=freed)
     _save_tenant(tenant, ctx)
 
 
@@ -318,8 +349,7 @@ def check_run_timers(run_id: str, ctx: Context, *, deps: Deps) -> None:
         tenant = _load_tenant(ctx, ledger.tenant_id) if ledger.tenant_tracked else None
         freed = _release_if_ended(ledger, was_open, tenant)
         write_plan(result.plan, ledger, ctx, deps=deps, inbound=None)
-        if freed:
-            admit_from_queue(tenant, ctx, deps=deps)
+        serve_tenant(tenant, ctx, deps=deps, freed=freed)
         _save_tenant(tenant, ctx)
 
 
@@ -329,16 +359,7 @@ def check_tenant_timers(key: str, ctx: Context, *, deps: Deps) -> None:
     if not isinstance(state, TenantLedger) or not state.deferred or not state.rate_allows(ctx.now_ms):
         return
     tenant = state.clone()
-    freed = False
-    while (run_id := tenant.next_deferred(ctx.now_ms)) is not None:
-        ledger = _load(ctx, run_id)
-        if ledger is None:
-            continue
-        plan = grant_deferred(ledger, tenant, now_ms=ctx.now_ms)
-        freed = _release_if_ended(ledger, True, tenant) or freed
-        write_plan(plan, ledger, ctx, deps=deps, inbound=None)
-    if freed:
-        admit_from_queue(tenant, ctx, deps=deps)
+    serve_tenant(tenant, ctx, deps=deps)
     _save_tenant(tenant, ctx)
 
 

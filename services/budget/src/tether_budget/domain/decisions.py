@@ -370,13 +370,16 @@ def _terminate(ledger: Ledger, reason: Reason, detail: str, now_ms: int) -> Plan
     return Plan([Decide(RunTerminated(reason_code=reason, report=report), ("RunTerminated",))])
 
 
-def _grant_or_stop(ledger: Ledger, now_ms: int, tenant: TenantLedger | None) -> Plan:
+def _grant_or_stop(ledger: Ledger, now_ms: int, tenant: TenantLedger | None, *, first_in_line: bool = False) -> Plan:
     step = ledger.step + 1
     breach = _grant_breach(ledger, step, now_ms) or _tenant_breach(tenant, now_ms)
     if breach is not None:
         return _terminate(ledger, *breach, now_ms)
-    if tenant is not None and not tenant.rate_allows(now_ms):
-        # Deferred, not denied: the budget's timer grants it when the tenant's bucket refills.
+    if tenant is not None and ((tenant.deferred and not first_in_line) or not tenant.rate_allows(now_ms)):
+        # Deferred, not denied: the budget grants it when the tenant's bucket refills. Behind
+        # runs already deferred it waits too, whatever the bucket holds: a run finishing a step
+        # between two ticks must not take the refill the longest waiting run is owed (the
+        # handlers serve the line, in order, as soon as the bucket allows).
         tenant.defer(ledger.run_id)
         ledger.deferred_step = step
         deferred = StepDeferred(step=step, reason_code="TENANT_TOKEN_RATE",
@@ -407,7 +410,7 @@ def grant_deferred(ledger: Ledger, tenant: TenantLedger, *, now_ms: int) -> Plan
     """The tenant's bucket has room again and this run's grant waited longest: grant (or stop) now."""
     if not ledger.active or ledger.deferred_step is None:
         return Plan(dropped="NOT_DEFERRED")
-    return _grant_or_stop(ledger, now_ms, tenant)
+    return _grant_or_stop(ledger, now_ms, tenant, first_in_line=True)
 
 
 def _finish_step(ledger: Ledger, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None) -> Plan:
