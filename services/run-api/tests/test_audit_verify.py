@@ -7,7 +7,7 @@ import json
 import uuid
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from typer.testing import CliRunner
 
@@ -162,6 +162,15 @@ def test_a_run_asked_for_that_the_log_does_not_hold_is_a_mismatch():
     # Asked for with a run that is there: only the missing one fails.
     both = verify_log(clean_run().log, run_ids={RUN, absent})
     assert both.runs == 1 and [(f.check, f.run_id) for f in both.mismatches] == [("absent", absent)]
+
+
+def test_a_partition_whose_first_records_were_deleted_is_a_mismatch_even_with_no_run_left():
+    report = verify_log([], deleted={1: 12})
+    assert not report.ok and report.runs == 0
+    assert [(f.check, f.event_type) for f in report.mismatches] == [("log", "RECORDS_DELETED")]
+    assert "partition 1 of the run event log starts at offset 12" in report.mismatches[0].problem
+    assert report.to_json()["deleted"] == [{"partition": 1, "log_start_offset": 12}]
+    assert "MISMATCH log run= seq=None RECORDS_DELETED: partition 1" in render_text(report)
 
 
 def test_a_run_without_a_terminal_event_is_reported_open_not_as_a_failure():
@@ -346,6 +355,41 @@ def test_cli_reads_the_log_from_kafka_and_exits_non_zero_on_a_mismatch(kafka_boo
         report = json.loads(typo.stdout)
         assert report["ok"] is False and report["absent"] == ["run-audit-9"] and report["runs"] == 1
         assert [(m["check"], m["run_id"]) for m in report["mismatches"]] == [("absent", "run-audit-9")]
+        assert report["deleted"] == []
+    finally:
+        admin.delete_topics([topic])
+
+
+@pytest.mark.integration
+def test_cli_reports_a_partition_whose_first_records_were_deleted(kafka_bootstrap):
+    prefix = f"audit-{uuid.uuid4().hex[:10]}."
+    topic = prefix + "tether.run-events.v1"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])[topic].result(30)
+    verify = ["audit", "verify", "--bootstrap", kafka_bootstrap, "--topic-prefix", prefix, "--json"]
+    try:
+        clean = clean_run().log
+        _publish(kafka_bootstrap, topic, clean)  # partition 1
+        (fut,) = admin.delete_records([TopicPartition(topic, 1, 3)]).values()
+        assert fut.result(30).low_watermark == 3
+
+        # The head of the run is gone: read from offset 3 (not skipped to the end), a chain GAP,
+        # and the deletion itself named.
+        out = CliRunner().invoke(cli.app, verify)
+        assert out.exit_code == 3, out.output
+        report = json.loads(out.stdout)
+        assert report["events"] == len(clean) - 3 and report["deleted"] == [{"partition": 1, "log_start_offset": 3}]
+        found = {(m["check"], m["event_type"]) for m in report["mismatches"]}
+        assert {("log", "RECORDS_DELETED"), ("chain", "GAP")} <= found
+
+        # Every event of the run gone: no run left to check, and still not "0 runs: OK".
+        (fut,) = admin.delete_records([TopicPartition(topic, 1, len(clean))]).values()
+        fut.result(30)
+        out = CliRunner().invoke(cli.app, verify)
+        assert out.exit_code == 3, out.output
+        report = json.loads(out.stdout)
+        assert report["runs"] == 0 and report["deleted"] == [{"partition": 1, "log_start_offset": len(clean)}]
+        assert [(m["check"], m["event_type"]) for m in report["mismatches"]] == [("log", "RECORDS_DELETED")]
     finally:
         admin.delete_topics([topic])
 

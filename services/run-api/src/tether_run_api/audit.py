@@ -1,7 +1,8 @@
 """`tether audit verify`: re-derive every run's chain, budget, gateway and approval decisions from the log.
 
 Pure over a list of sequenced envelopes (`verify_log`); `read_run_log` reads them from Kafka
-(read_committed, every partition from offset 0, either wire format). The budget's decisions are replayed with its
+(read_committed, every partition from its log start, either wire format) and says which partitions
+lost their first records. The budget's decisions are replayed with its
 own domain (`tether_budget.domain.decisions`), fed the run's recorded inputs in sequence order
 at the time the budget recorded its decisions; the gateway's with `GatewayAudit`; approval
 decisions against the pending request they decide. What the log alone cannot show is said so
@@ -39,7 +40,7 @@ from tether_contracts.records import (
 )
 from tether_messaging.chain import verify_chain
 from tether_messaging.envelopes import derived_id
-from tether_messaging.logreader import read_to_end
+from tether_messaging.logreader import read_log
 from tether_messaging.serde import SerdeError, open_payload
 from tether_tool_gateway.audit import GatewayAudit
 from tether_tool_gateway.domain.policy import BasicPolicy, Policy, TrustPolicy
@@ -74,6 +75,8 @@ class AuditReport:
     open_runs: list[str] = field(default_factory=list)
     #: Runs asked for (`run_ids`) of which the log has no event: a mismatch each.
     absent_runs: list[str] = field(default_factory=list)
+    #: Partitions whose first records were deleted: partition → the offset its log starts at.
+    deleted: dict[int, int] = field(default_factory=dict)
 
     @property
     def mismatches(self) -> list[Finding]:
@@ -87,7 +90,8 @@ class AuditReport:
         return {"ok": self.ok, "runs": self.runs, "events": self.events,
                 "mismatches": [asdict(f) for f in self.mismatches],
                 "notes": [asdict(f) for f in self.findings if f.check == "note"],
-                "open": list(self.open_runs), "absent": list(self.absent_runs)}
+                "open": list(self.open_runs), "absent": list(self.absent_runs),
+                "deleted": [{"partition": p, "log_start_offset": o} for p, o in sorted(self.deleted.items())]}
 
 
 @dataclass(frozen=True)
@@ -114,16 +118,39 @@ class AuditConfig:
 Event = tuple[Envelope, AvroRecord]
 
 
+class RunLog(list[Envelope]):
+    """The envelopes `read_run_log` read, and the partitions whose first records were deleted."""
+
+    def __init__(self, envelopes: Iterable[Envelope], *, topic: str, deleted: Mapping[int, int]) -> None:
+        super().__init__(envelopes)
+        self.topic = topic
+        #: partition → the offset its log starts at (only partitions that lost records).
+        self.deleted = dict(deleted)
+
+
 def verify_log(envelopes: Iterable[Envelope], config: AuditConfig | None = None, *,
-               run_ids: set[str] | None = None) -> AuditReport:
+               run_ids: set[str] | None = None, deleted: Mapping[int, int] | None = None) -> AuditReport:
     """Check every run in the log (or only `run_ids`): chain, budget, gateway and approval decisions.
 
     A run of `run_ids` with no event in the log is a mismatch (check "absent"): a typo or a
     deleted run must not pass. A run without a terminal event is listed in `open_runs` with a
     note: it may be live; a tail cut off after any event is not detectable from the log alone.
+    Each partition whose first records were deleted (`deleted`, by default a `RunLog`'s) is a
+    mismatch (check "log", RECORDS_DELETED): the log is kept forever, and a run whose events are
+    all gone would otherwise not show at all.
     """
     config = config or AuditConfig()
     report = AuditReport()
+    if deleted is None and isinstance(envelopes, RunLog):
+        deleted = envelopes.deleted
+    topic = envelopes.topic if isinstance(envelopes, RunLog) else "the run event log"
+    for partition, start in sorted((deleted or {}).items()):
+        report.deleted[partition] = start
+        report.findings.append(Finding(
+            "log", "", None, "RECORDS_DELETED",
+            f"partition {partition} of {topic} starts at offset {start}: offsets 0..{start - 1} were deleted "
+            "(retention, delete_records or a lost segment); runs on it may have lost their first events "
+            "(chain GAP) or all of them"))
     by_run: dict[str, list[Envelope]] = defaultdict(list)
     for env in envelopes:
         if run_ids is None or env.run_id in run_ids:
@@ -350,14 +377,16 @@ def check_approvals(run_id: str, events: list[Event], policy: ApprovalPolicy) ->
 
 
 def read_run_log(bootstrap: str, topic: str, *, schema_registry_url: str | None = None,
-                 timeout_s: float = 120.0) -> list[Envelope]:
-    """Every committed envelope of `topic` (all partitions, offset 0, read_committed), in partition order.
+                 timeout_s: float = 120.0) -> RunLog:
+    """Every committed envelope of `topic` (all partitions from their log start, read_committed), in partition order.
 
     Reads both wire formats (tether_messaging.logreader); a log written with
-    TETHER_SCHEMA_REGISTRY_URL set needs that registry's URL. Raises LogReadError.
+    TETHER_SCHEMA_REGISTRY_URL set needs that registry's URL. The `RunLog` also names the
+    partitions whose first records were deleted (`verify_log` reports them). Raises LogReadError.
     """
-    return [r.envelope for r in read_to_end(bootstrap, topic, schema_registry_url=schema_registry_url,
-                                            timeout_s=timeout_s, group_prefix="tether-audit")]
+    read = read_log(bootstrap, topic, schema_registry_url=schema_registry_url, timeout_s=timeout_s,
+                    group_prefix="tether-audit")
+    return RunLog((r.envelope for r in read.records), topic=topic, deleted=read.deleted)
 
 
 def render_text(report: AuditReport) -> str:
