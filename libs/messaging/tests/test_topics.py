@@ -7,10 +7,16 @@ from types import SimpleNamespace
 import pytest
 import structlog
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic
 
 from tether_messaging import admin as admin_module, topics as names
-from tether_messaging.admin import PartitionCountMismatch, TopicDeclarationFailed, declare_specs, declare_topics
+from tether_messaging.admin import (
+    PartitionCountMismatch,
+    TopicConfigMismatch,
+    TopicDeclarationFailed,
+    declare_specs,
+    declare_topics,
+)
 from tether_messaging.topics import Topics, TopicSpec
 
 
@@ -76,15 +82,34 @@ class _Done:
             raise KafkaException(self._error)
 
 
-class _FakeAdmin:
-    """Records the NewTopic specs; topics in `existing` answer TOPIC_ALREADY_EXISTS with `existing_replicas`."""
+class _Configs:
+    def __init__(self, configs: dict[str, str]) -> None:
+        self._configs = configs
 
-    def __init__(self, partitions: int, existing: set[str] = frozenset(), existing_replicas: int = 1) -> None:
+    def result(self, timeout: float | None = None) -> dict[str, SimpleNamespace]:
+        return {k: SimpleNamespace(value=v) for k, v in self._configs.items()}
+
+
+class _FakeAdmin:
+    """Records the NewTopic specs; topics in `existing` answer TOPIC_ALREADY_EXISTS with `existing_replicas`.
+
+    Existing topics have the configs they are declared with, overridden by `existing_configs`.
+    """
+
+    def __init__(self, partitions: int, existing: set[str] = frozenset(), existing_replicas: int = 1,
+                 existing_configs: dict[str, str] | None = None) -> None:
         self.requested: list[NewTopic] = []
         self.partitions = partitions
         self.existing = existing
         self.existing_replicas = existing_replicas
+        self.existing_configs = existing_configs or {}
         self.replicas: dict[str, int] = {}
+        self.described: list[list[str]] = []
+
+    def describe_configs(self, resources: list[ConfigResource], request_timeout: float) -> dict:
+        self.described.append([r.name for r in resources])
+        declared = {t.topic: t.config for t in self.requested}
+        return {r: _Configs({**declared[r.name], **self.existing_configs}) for r in resources}
 
     def create_topics(self, new: list[NewTopic], request_timeout: float) -> dict[str, _Done]:
         self.requested.extend(new)
@@ -140,6 +165,31 @@ def test_an_existing_topic_with_another_replication_factor_is_logged_not_changed
                          "topic": names.RUN_EVENTS, "expected": 3, "actual": [1]}]
 
 
+@pytest.mark.parametrize(("key", "actual"), [("retention.ms", "604800000"), ("retention.bytes", "1073741824"),
+                                             ("cleanup.policy", "compact")])
+def test_an_existing_run_event_log_that_would_delete_records_is_refused(
+    monkeypatch: pytest.MonkeyPatch, key: str, actual: str
+) -> None:
+    fake = _FakeAdmin(partitions=2, existing={names.RUN_EVENTS, names.COMMANDS}, existing_configs={key: actual})
+    _fake_admin(monkeypatch, fake)
+    with pytest.raises(TopicConfigMismatch) as info:
+        declare_topics("kafka:9092", 2, ["budget"])
+    assert (info.value.topic, info.value.key, info.value.actual) == (names.RUN_EVENTS, key, actual)
+    assert fake.described == [[names.COMMANDS, names.RUN_EVENTS]]  # one request, the existing topics only
+
+
+def test_another_config_of_an_existing_topic_is_logged_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seven-day topics are not kept forever: another retention there is an operator's choice.
+    fake = _FakeAdmin(partitions=2, existing={names.COMMANDS, names.changelog("budget")},
+                      existing_configs={"retention.ms": "86400000", "delete.retention.ms": "1000"})
+    _fake_admin(monkeypatch, fake)
+    with structlog.testing.capture_logs() as logs:
+        declare_topics("kafka:9092", 2, ["budget"])
+    differs = [(e["topic"], e["key"], e["expected"], e["actual"]) for e in logs if e["event"] == "topic_config_differs"]
+    assert differs == [(names.COMMANDS, "retention.ms", str(7 * names.DAY_MS), "86400000"),
+                       (names.changelog("budget"), "delete.retention.ms", str(names.DAY_MS), "1000")]
+
+
 @pytest.mark.integration
 def test_more_replicas_than_brokers_is_refused_with_the_setting_named(kafka_bootstrap: str, topic_prefix: str) -> None:
     brokers = len(AdminClient({"bootstrap.servers": kafka_bootstrap}).list_topics(timeout=30).brokers)
@@ -157,3 +207,26 @@ def test_redeclaring_with_another_replication_factor_keeps_the_topic(kafka_boots
     assert differs == {t.commands, t.run_intake, t.run_events, t.dead_letters}
     md = AdminClient({"bootstrap.servers": kafka_bootstrap}).list_topics(timeout=30)
     assert {len(p.replicas) for p in md.topics[t.run_events].partitions.values()} == {1}
+
+
+@pytest.mark.integration
+def test_a_run_event_log_created_with_the_broker_defaults_is_refused(kafka_bootstrap: str, topic_prefix: str) -> None:
+    t = Topics(topic_prefix)
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    # Created by hand or by auto-create: the broker's 7-day retention would delete the log.
+    admin.create_topics([NewTopic(t.run_events, 2, 1)])[t.run_events].result(30)
+    with pytest.raises(TopicConfigMismatch) as info:
+        declare_topics(kafka_bootstrap, 2, ["budget"], prefix=topic_prefix)
+    assert (info.value.topic, info.value.key, info.value.expected) == (t.run_events, "retention.ms", "-1")
+    assert info.value.actual == _configs(kafka_bootstrap, t.run_events)["retention.ms"] != "-1"
+    assert f"{t.run_events!r}" in str(info.value) and "retention.ms=-1" in str(info.value)
+
+    # Set as its spec says (what an operator does), the same declaration goes through.
+    (fut,) = admin.incremental_alter_configs([ConfigResource(
+        ConfigResource.Type.TOPIC, t.run_events,
+        incremental_configs=[ConfigEntry("retention.ms", "-1", incremental_operation=AlterConfigOpType.SET)],
+    )]).values()
+    fut.result(30)
+    with structlog.testing.capture_logs() as logs:
+        assert declare_topics(kafka_bootstrap, 2, ["budget"], prefix=topic_prefix) == []
+    assert [e for e in logs if e["event"] == "topic_config_differs"] == []

@@ -1,4 +1,4 @@
-"""Declaring Tether's topics on the broker: idempotent creation with configs, partition-count check."""
+"""Declaring Tether's topics on the broker: idempotent creation with configs, partition-count and config checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import structlog
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from tether_messaging.topics import Topics, TopicSpec
 
@@ -33,6 +33,35 @@ class PartitionCountMismatch(Exception):
 
 class TopicDeclarationFailed(Exception):
     """The broker refused to create a topic."""
+
+
+#: Settings that decide whether a topic's records are deleted: on a topic kept forever, a differing
+#: value would delete the log (the run event log is the source of truth), so it is refused.
+RETENTION_KEYS = ("retention.ms", "retention.bytes", "cleanup.policy")
+
+
+class TopicConfigMismatch(Exception):
+    """An existing topic kept forever has a retention setting that would delete its records.
+
+    Tether does not change an existing topic's configs by itself; an operator sets it
+    (kafka-configs --alter) after checking nothing was deleted yet.
+    """
+
+    def __init__(self, topic: str, key: str, expected: str, actual: str | None) -> None:
+        super().__init__(
+            f"topic {topic!r} is to be kept forever but has {key}={actual} (expected {key}={expected}); "
+            f"set it with: kafka-configs --alter --entity-type topics --entity-name {topic} "
+            f"--add-config {key}={expected}"
+        )
+        self.topic = topic
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+
+
+def kept_forever(spec: TopicSpec) -> bool:
+    """Whether the topic's records must never be deleted (retention.ms=-1 in its spec)."""
+    return spec.config.get("retention.ms") == "-1"
 
 
 def min_insync_replicas(replication_factor: int) -> int:
@@ -64,7 +93,10 @@ def declare_topics(
     Idempotent: existing topics are checked, not changed. Raises `PartitionCountMismatch`
     if an existing topic's partition count differs; an existing topic with another replication
     factor is logged (`topic_replication_factor_differs`) and left as it is (reassigning replicas
-    is an operator's decision: kafka-reassign-partitions). Returns the names created now.
+    is an operator's decision: kafka-reassign-partitions). Raises `TopicConfigMismatch` if an
+    existing topic kept forever (the run event log) has another retention.ms, retention.bytes or
+    cleanup.policy than its spec; any other spec'd config that differs is logged
+    (`topic_config_differs`). Returns the names created now.
     """
     return declare_specs(
         bootstrap,
@@ -132,4 +164,34 @@ def declare_specs(
             # deployment with fewer replicas than asked is still one that works.
             log.warning("topic_replication_factor_differs", topic=s.name, expected=replication_factor,
                         actual=sorted(replicas))
+    # Topics created now have their spec's configs; only those that existed are described.
+    _check_configs(admin, [s for s in specs if s.name not in created and s.config], timeout_s)
     return created
+
+
+def _same(key: str, expected: str, actual: str | None) -> bool:
+    if key == "cleanup.policy" and actual is not None:
+        return set(expected.split(",")) == {p.strip() for p in actual.split(",")}
+    return expected == actual
+
+
+def _check_configs(admin: AdminClient, specs: list[TopicSpec], timeout_s: float) -> None:
+    """Compare existing topics' configs with their specs, in one DescribeConfigs request for all."""
+    if not specs:
+        return
+    resources = {s.name: ConfigResource(ConfigResource.Type.TOPIC, s.name) for s in specs}
+    futures = admin.describe_configs(list(resources.values()), request_timeout=timeout_s)
+    for s in specs:
+        try:
+            entries = futures[resources[s.name]].result(timeout=timeout_s)
+        except KafkaException as exc:
+            raise TopicDeclarationFailed(f"describing the configs of {s.name!r}: {exc.args[0].str()}") from exc
+        for key, expected in s.config.items():
+            entry = entries.get(key)
+            actual = entry.value if entry is not None else None
+            if _same(key, expected, actual):
+                continue
+            if kept_forever(s) and key in RETENTION_KEYS:
+                raise TopicConfigMismatch(s.name, key, expected, actual)
+            # Not changed here either: an operator's change (kafka-configs) that may be deliberate.
+            log.warning("topic_config_differs", topic=s.name, key=key, expected=expected, actual=actual)
