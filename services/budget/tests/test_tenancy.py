@@ -144,18 +144,41 @@ def test_a_duplicate_submit_of_a_queued_run_is_dropped(harness):
 def test_over_its_spend_cap_a_tenant_gets_no_grant_no_budget_and_no_new_run(harness):
     limits = cap(5, 5, spend_cap_usd_micros=1_500)
     harness.submit("r1", limits=limits)
-    harness.submit("r2", limits=limits)
-    harness.model(1, 1, "r1", cost=1_000)
+    harness.model(1, 1, "r1", cost=1_000)  # the lane's first usage: grants reserve about 1,000 from now on
+    harness.submit("r2", limits=limits)  # 1,000 spent + 1,000 reserved for r2's call
     assert isinstance(harness.request(1, 0, "r1")[-1], ToolCallBudgeted)
-    assert isinstance(harness.done("1.0", "r1")[-1], StepGranted)  # 1,000 of 1,500 spent
-    harness.model(1, 1, "r2", cost=600)  # the lane's total is now over the cap
+    out = harness.done("1.0", "r1")  # r2's call in flight is expected to reach the cap: r1's grant waits
+    assert isinstance(out[-1], StepDeferred) and out[-1].reason_code == "TENANT_SPEND_CAP"
+    out = harness.model(1, 1, "r2", cost=600)  # the lane's total is now over the cap
+    assert [(type(p).__name__, getattr(p, "reason_code", None)) for p in out][-1] == ("RunTerminated", "TENANT_SPEND_CAP")
+    assert types(harness.log_payloads("r1"))[-2:] == ["StepDeferred", "RunTerminated"]
     out = harness.request(1, 0, "r2")
     assert isinstance(out[-1], RunTerminated) and out[-1].reason_code == "TENANT_SPEND_CAP"
     assert "1600 of 1500" in out[-1].report.detail
-    harness.model(2, 0, "r1")
     [rejected] = harness.submit("r3", limits=limits)
     assert isinstance(rejected, RunRejected) and rejected.reason_code == "TENANT_SPEND_CAP"
-    assert harness.tenant().spent_usd_micros == 1_600 + 1_000
+    assert harness.tenant().spent_usd_micros == 1_600 and harness.tenant().spend_reserved_usd_micros == 0
+
+
+def test_the_spend_cap_counts_the_calls_already_granted(harness):
+    # 50 runs at once, each model call costs 900 µUSD, cap 1,000: checking only what was spent
+    # let every running run start a call, and 45,000 was spent.
+    limits = cap(50, 0, spend_cap_usd_micros=1_000)
+    runs = [f"r{i}" for i in range(50)]
+    for run in runs:
+        harness.submit(run, limits=limits)
+    for _ in range(3):
+        for run in runs:
+            ledger = harness.ledger(run)
+            if ledger.open and ledger.current is not None and not ledger.current.model_done:
+                harness.model(ledger.step, 0, run, cost=900, text="done")
+                harness.complete(run, step=ledger.step)
+    # The first call, then one granted on its average while 900 < 1,000: past the cap by at
+    # most one call's estimate, and every other run stopped before starting a call.
+    assert harness.tenant().spent_usd_micros == 1_800
+    ended = [harness.ledger(r).end_reason for r in runs]
+    assert ended.count("COMPLETED") == 2 and ended.count("TENANT_SPEND_CAP") == 48
+    assert harness.tenant().spend_reserved_usd_micros == 0 and harness.tenant().deferred == []
 
 
 def test_the_spend_window_rolls_over(harness):

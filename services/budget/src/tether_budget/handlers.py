@@ -110,17 +110,19 @@ def _settle_usage(
         return
     tokens = ledger.tokens_used - (before.input_tokens + before.output_tokens)
     cost = ledger.usage.cost_usd_micros - before.cost_usd_micros
-    tenant.record_usage(tokens, cost, reserved_tokens=ledger.rate_reserved, now_ms=now_ms)
-    ledger.rate_reserved = 0
+    tenant.record_usage(tokens, cost, reserved_tokens=ledger.rate_reserved, reserved_cost=ledger.spend_reserved,
+                        now_ms=now_ms)
+    ledger.rate_reserved = ledger.spend_reserved = 0
 
 
 def _release_if_ended(ledger: Ledger, was_open: bool, tenant: TenantLedger | None) -> bool:
     """A run that held a place in its tenant's ledger ended: free it. True if a slot may be free."""
     if tenant is None or not was_open or ledger.open:
         return False
-    tenant.release(ledger.run_id, held_slot=ledger.holds_tenant_slot, reserved_tokens=ledger.rate_reserved)
+    tenant.release(ledger.run_id, held_slot=ledger.holds_tenant_slot, reserved_tokens=ledger.rate_reserved,
+                   reserved_cost=ledger.spend_reserved)
     ledger.holds_tenant_slot = False
-    ledger.rate_reserved = 0
+    ledger.rate_reserved = ledger.spend_reserved = 0
     return True
 
 

@@ -375,19 +375,23 @@ def _grant_or_stop(ledger: Ledger, now_ms: int, tenant: TenantLedger | None, *, 
     breach = _grant_breach(ledger, step, now_ms) or _tenant_breach(tenant, now_ms)
     if breach is not None:
         return _terminate(ledger, *breach, now_ms)
-    if tenant is not None and ((tenant.deferred and not first_in_line) or not tenant.rate_allows(now_ms)):
+    wait = tenant.grant_wait(now_ms) if tenant is not None else None
+    if tenant is not None and ((tenant.deferred and not first_in_line) or wait is not None):
         # Deferred, not denied: the budget grants it when the tenant's bucket refills. Behind
         # runs already deferred it waits too, whatever the bucket holds: a run finishing a step
         # between two ticks must not take the refill the longest waiting run is owed (the
         # handlers serve the line, in order, as soon as the bucket allows).
         tenant.defer(ledger.run_id)
         ledger.deferred_step = step
-        deferred = StepDeferred(step=step, reason_code="TENANT_TOKEN_RATE",
-                                tokens_available=int(tenant.rate_room(now_ms)),
+        reason = wait or ("TENANT_TOKEN_RATE" if tenant.limits.tokens_per_minute > 0 else "TENANT_SPEND_CAP")
+        deferred = StepDeferred(step=step, reason_code=reason,
+                                tokens_available=int(min(tenant.rate_room(now_ms), 2**62)),
                                 not_before_ms=tenant.refill_at(now_ms))
         return Plan([Decide(deferred, ("StepDeferred", step))])
     if tenant is not None:
-        ledger.rate_reserved += tenant.reserve(now_ms)
+        tokens, cost = tenant.reserve(now_ms)
+        ledger.rate_reserved += tokens
+        ledger.spend_reserved += cost
     ledger.deferred_step = None
     ledger.step = step
     ledger.current = StepEntry(step=step, granted_at_ms=now_ms)

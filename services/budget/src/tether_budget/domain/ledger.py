@@ -250,6 +250,7 @@ class Ledger(BaseModel):
     )
     deferred_step: int | None = Field(None, description="Step whose grant waits for the tenant's token rate.")
     rate_reserved: int = Field(0, description="Tokens the granted step reserved from the tenant's bucket.")
+    spend_reserved: int = Field(0, description="µUSD the granted step reserved under the tenant's spend cap.")
 
     ended_at_ms: int | None = None
     end_reason: str | None = None

@@ -53,6 +53,9 @@ class TenantLedger(BaseModel):
     deferred: list[str] = Field(default_factory=list, description="Runs whose next grant waits for the token rate.")
     spend_window_start_ms: int = 0
     spent_usd_micros: int = Field(0, description="Model spend in the current window.")
+    spend_reserved_usd_micros: int = Field(0, ge=0, description="Expected cost of granted model calls that have "
+                                           "not returned yet (checked with the spend against the cap).")
+    step_cost_estimate: float = Field(0.0, description="Moving average of µUSD per model call.")
     tokens: float | None = Field(None, description="Token bucket level (None = full); negative after overuse.")
     tokens_at_ms: int = 0
     step_tokens_estimate: float = Field(0.0, description="Moving average of tokens per model call.")
@@ -120,7 +123,7 @@ class TenantLedger(BaseModel):
         self.touch()
         return self.queue.pop(0)
 
-    def release(self, run_id: str, *, held_slot: bool, reserved_tokens: int = 0) -> None:
+    def release(self, run_id: str, *, held_slot: bool, reserved_tokens: int = 0, reserved_cost: int = 0) -> None:
         """The run ended (or was cancelled while queued): free its slot (if its ledger says it held
         one), its place and deferral, and give back a token reservation its granted step never used."""
         if held_slot and self.running > 0:
@@ -130,9 +133,10 @@ class TenantLedger(BaseModel):
             if run_id in line:
                 line.remove(run_id)
                 self.touch()
-        if reserved_tokens:
+        if reserved_tokens or reserved_cost:
             self.reservations_open = max(0, self.reservations_open - 1)
-            if self.tokens is not None:
+            self.spend_reserved_usd_micros = max(0, self.spend_reserved_usd_micros - reserved_cost)
+            if reserved_tokens and self.tokens is not None:
                 self.tokens += reserved_tokens
             self.touch()
 
@@ -157,6 +161,24 @@ class TenantLedger(BaseModel):
         window = self.limits.spend_window_ms
         period = f"in the current {window} ms window" if window > 0 else "in total"
         return f"tenant {self.tenant_id} spent {self.spent_usd_micros} of {cap} µUSD {period} on this partition lane"
+
+    def _spent_at(self, now_ms: int) -> int:
+        window = self.limits.spend_window_ms
+        if window > 0 and now_ms - now_ms % window != self.spend_window_start_ms:
+            return 0  # a new window (rolled when the ledger next changes)
+        return self.spent_usd_micros
+
+    def cost_reservation(self) -> int:
+        """The µUSD a grant reserves under a spend cap: the moving average of a model call's (at least 1)."""
+        return max(1, round(self.step_cost_estimate)) if self.limits.spend_cap_usd_micros > 0 else 0
+
+    def _spend_held(self, now_ms: int) -> bool:
+        # Under the cap, but the calls granted and not returned are expected to reach it: the
+        # grant waits for their usage (it may be less) instead of spending past the cap on a
+        # call per running run. At or over the cap by what was really spent, `spend_breach` stops it.
+        cap = self.limits.spend_cap_usd_micros
+        spent = self._spent_at(now_ms)
+        return 0 < cap and spent < cap <= spent + self.spend_reserved_usd_micros
 
     # -- token rate -----------------------------------------------------------------------------
     def level_at(self, now_ms: int) -> float:
@@ -187,6 +209,9 @@ class TenantLedger(BaseModel):
         """The tokens a grant reserves: the moving average of a model call's (at least 1)."""
         return max(1, round(self.step_tokens_estimate))
 
+    def _limits_calls(self) -> bool:
+        return self.limits.tokens_per_minute > 0 or self.limits.spend_cap_usd_micros > 0
+
     def _waits_for_first_usage(self) -> bool:
         # Until a model call's usage was recorded on the lane, a reservation says nothing about
         # what a call costs: a guessed default can be off by any factor, and N runs granted at
@@ -195,19 +220,30 @@ class TenantLedger(BaseModel):
         # usage is recorded bounds the overshoot by that one call, which keeps the promise of
         # bursts of (about) one minute's worth; the price is the latency of one model call, once
         # per lane.
-        return not self.estimate_known and self.reservations_open > 0
+        # The same holds for the spend cap's cost reservations.
+        return self._limits_calls() and not self.estimate_known and self.reservations_open > 0
 
     def _needed(self) -> float:
         # A call larger than a minute's worth still goes once the bucket is full, or never would.
         return float(min(self.reservation(), self.limits.tokens_per_minute))
 
+    def grant_wait(self, now_ms: int) -> str | None:
+        """Why a grant must wait now (TENANT_TOKEN_RATE, TENANT_SPEND_CAP), or None: the bucket
+        must hold at least the reservation (so grants never draw it below zero on an estimate),
+        the spend plus the reservations of calls in flight must be under the cap, and while the
+        lane's usage per call is unknown no other grant may hold a reservation. Read-only."""
+        rate = "TENANT_TOKEN_RATE" if self.limits.tokens_per_minute > 0 else "TENANT_SPEND_CAP"
+        if self._waits_for_first_usage():
+            return rate
+        if self.limits.tokens_per_minute > 0 and self.level_at(now_ms) < self._needed():
+            return "TENANT_TOKEN_RATE"
+        if self._spend_held(now_ms):
+            return "TENANT_SPEND_CAP"
+        return None
+
     def rate_allows(self, now_ms: int) -> bool:
-        """Whether a grant may take its reservation now: the bucket holds at least the reservation
-        (so grants never draw the bucket below zero on an estimate), and, while the lane's tokens
-        per call are unknown, no other grant holds a reservation. Read-only."""
-        if self.limits.tokens_per_minute <= 0:
-            return True
-        return not self._waits_for_first_usage() and self.level_at(now_ms) >= self._needed()
+        """Whether a grant may take its reservations now (`grant_wait` has no reason). Read-only."""
+        return self.grant_wait(now_ms) is None
 
     def refill_at(self, now_ms: int) -> int:
         """When the bucket holds a grant's reservation again (an estimate recorded with a deferral;
@@ -216,28 +252,37 @@ class TenantLedger(BaseModel):
         return now_ms if due is None else max(now_ms, due)
 
     def _due_at(self) -> int | None:
+        if self._waits_for_first_usage():
+            return None
+        if self._spend_held(self.tokens_at_ms):
+            # The usage of the calls in flight (records, not the clock) or the next window frees it.
+            window = self.limits.spend_window_ms
+            return None if window <= 0 else self.spend_window_start_ms + window
         tpm = self.limits.tokens_per_minute
         if tpm <= 0 or self.tokens is None:
             return 0
-        if self._waits_for_first_usage():
-            return None
         need = self._needed()
         if self.tokens >= need:
             return 0
         # level_at(now) >= need  ⇔  now - tokens_at_ms >= (need - tokens) * MINUTE_MS / tpm
         return self.tokens_at_ms + math.ceil((need - self.tokens) * MINUTE_MS / tpm)
 
-    def reserve(self, now_ms: int) -> int:
-        """A grant takes the expected tokens of one model call from the bucket (at least 1);
-        the real usage replaces the reservation when it is recorded."""
-        if self.limits.tokens_per_minute <= 0:
-            return 0
-        self._refill(now_ms)
-        amount = self.reservation()
-        self.tokens = (self.tokens or 0.0) - amount
+    def reserve(self, now_ms: int) -> tuple[int, int]:
+        """A grant takes the expected tokens of one model call from the bucket and its expected
+        cost from the spend cap's room (each at least 1, under its limit); the real usage replaces
+        the reservations when it is recorded. Returns (tokens, µUSD) reserved."""
+        if not self._limits_calls():
+            return 0, 0
+        tokens = 0
+        if self.limits.tokens_per_minute > 0:
+            self._refill(now_ms)
+            tokens = self.reservation()
+            self.tokens = (self.tokens or 0.0) - tokens
+        cost = self.cost_reservation()
+        self.spend_reserved_usd_micros += cost
         self.reservations_open += 1
         self.touch()
-        return amount
+        return tokens, cost
 
     def defer(self, run_id: str) -> None:
         if run_id not in self.deferred:
@@ -260,16 +305,23 @@ class TenantLedger(BaseModel):
         return self.deferred.pop(0)
 
     # -- usage ----------------------------------------------------------------------------------
-    def record_usage(self, tokens: int, cost_usd_micros: int, *, reserved_tokens: int, now_ms: int) -> None:
+    def record_usage(self, tokens: int, cost_usd_micros: int, *, reserved_tokens: int, now_ms: int,
+                     reserved_cost: int = 0) -> None:
         """A model call's usage was recorded for one of the tenant's runs on this lane."""
         self._roll_window(now_ms)
         self.spent_usd_micros += cost_usd_micros
         if self.limits.tokens_per_minute > 0:
             self._refill(now_ms)
             self.tokens = (self.tokens or 0.0) + reserved_tokens - tokens
-        if reserved_tokens:
+        if reserved_tokens or reserved_cost:
             self.reservations_open = max(0, self.reservations_open - 1)
+            self.spend_reserved_usd_micros = max(0, self.spend_reserved_usd_micros - reserved_cost)
         self.usage_samples += 1
+        if cost_usd_micros > 0:
+            self.step_cost_estimate = (
+                float(cost_usd_micros) if self.step_cost_estimate <= 0
+                else (1 - ESTIMATE_WEIGHT) * self.step_cost_estimate + ESTIMATE_WEIGHT * cost_usd_micros
+            )
         if tokens > 0:
             self.step_tokens_estimate = (
                 float(tokens) if self.step_tokens_estimate <= 0
