@@ -1103,6 +1103,12 @@ class ProcessorLoop:
                 self._handle_seconds.observe(time.monotonic() - handling_started)
                 self._commit(batch)
         except _AbortBatch as exc:
+            # Finished work taken for this batch but not reached when it aborted (behind a poison
+            # outcome that produce() refused mid-delivery, or a failed begin_transaction) is in
+            # neither `batch.delivered` nor `_redeliver`: put it back, or it was lost, its input
+            # held and its key in `_work` for good.
+            taken = {id(f) for f in batch.delivered} | {id(f) for f in self._redeliver}
+            self._redeliver = [f for f in finished if id(f) not in taken] + self._redeliver
             self._abort(batch, snapshot, exc)
             return
         for origin in batch.poisoned:
