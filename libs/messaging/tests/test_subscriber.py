@@ -9,13 +9,17 @@ import json
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from tether_contracts.records import Envelope, Remaining, RunCompleted, StepGranted, Usage
 from tether_messaging.chain import GENESIS_HASH, seal
 from tether_messaging.envelopes import headers_for, make_envelope
+from tether_messaging.registry import SchemaRegistryUnavailable, envelope_codec
 from tether_messaging.serde import encode
 from tether_messaging.subscriber import SubscribedEvent, Subscriber, UndecodableRecord
 from tether_testing import unique_name
@@ -63,6 +67,31 @@ def _granted(step: int) -> StepGranted:
 
 def _completed(answer: str) -> RunCompleted:
     return RunCompleted(step=1, answer=answer, usage=Usage(input_tokens=1, output_tokens=1, cost_usd_micros=1))
+
+
+def committed(bootstrap: str, group: str, topic: str, partitions: int = 1) -> list[int | None]:
+    """The group's committed offset of each partition (None: nothing committed)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        tps = consumer.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
+    finally:
+        consumer.close()
+    return [tp.offset if tp.offset >= 0 else None for tp in tps]
+
+
+class Reads:
+    """A member's consumer whose reads are batched as a busy topic would batch them: `consume(n,
+    timeout)` calls go to `script` (the call's number, n, timeout) — everything else to the real one."""
+
+    def __init__(self, consumer: Consumer, script: Callable[[int, int, float], list[Any]]) -> None:
+        self.real, self.script, self.calls = consumer, script, 0
+
+    def consume(self, n: int, timeout: float) -> list[Any]:
+        self.calls += 1
+        return self.script(self.calls, n, timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
 
 
 def drain(sub: Subscriber, want: int, *, timeout_s: float = 60.0) -> list[SubscribedEvent]:
@@ -190,6 +219,157 @@ def test_a_record_that_is_not_an_envelope_stops_the_subscriber_where_it_is_unles
         rest = drain(sub, 1)
         assert sub.skipped_undecodable == 1
     assert [e.envelope.seq for e in rest] == [2]
+
+
+def test_an_event_the_handler_failed_on_is_not_committed_and_is_delivered_again(kafka_bootstrap, kafka_topics):
+    topic = kafka_topics.create("sub-raise")
+    produce(kafka_bootstrap, topic, events_of(1, 6))
+    group = unique_name("sub-g")
+    handled: list[int] = []
+
+    def fail_at_3(event: SubscribedEvent) -> None:
+        if event.envelope.seq == 3:
+            raise RuntimeError("the handler's store is down")
+        handled.append(event.envelope.seq)
+
+    with pytest.raises(RuntimeError), Subscriber(kafka_bootstrap, group, [topic]) as sub:
+        sub.run(fail_at_3, idle_exit_s=5)
+    # Handled 1 and 2 only: the group's offset stops at 3 (it was 6, the whole batch).
+    assert handled == [1, 2] and committed(kafka_bootstrap, group, topic) == [2]
+    with Subscriber(kafka_bootstrap, group, [topic]) as sub:
+        with pytest.raises(RuntimeError):
+            sub.run(fail_at_3, idle_exit_s=5)  # a restart meets 3 again
+        # The same member, going on, is handed the event it failed on and the rest again.
+        again = drain(sub, 4, timeout_s=15)
+    assert [e.envelope.seq for e in again] == [3, 4, 5, 6] and committed(kafka_bootstrap, group, topic) == [6]
+    # With poll(): leaving the block on an exception commits nothing of the batch in hand.
+    other = unique_name("sub-g")
+    with pytest.raises(RuntimeError), Subscriber(kafka_bootstrap, other, [topic]) as sub:
+        assert drain_poll(sub)
+        raise RuntimeError("the handler's store is down")
+    assert committed(kafka_bootstrap, other, topic) == [None]
+
+
+def drain_poll(sub: Subscriber) -> list[SubscribedEvent]:
+    for _ in range(60):
+        if events := sub.poll(0.5):
+            return events
+    return []
+
+
+def test_a_rebalance_inside_poll_commits_and_hands_over_only_what_was_handled(kafka_bootstrap, kafka_topics):
+    topic = kafka_topics.create("sub-rebalance", partitions=2)
+    group = unique_name("sub-g")
+    produce(kafka_bootstrap, topic, events_of(2, 5), partition_of=lambda e: int(e.run_id[-1]))
+    b_got: list[SubscribedEvent] = []
+    b_stop = threading.Event()
+
+    def b_member() -> None:  # a second member of the group (constructing it is joining)
+        with Subscriber(kafka_bootstrap, group, [topic]) as b:
+            while not b_stop.is_set():
+                b_got.extend(b.poll(0.25))
+
+    b_thread = threading.Thread(target=b_member)
+
+    def script(call: int, n: int, timeout: float) -> list[Any]:
+        if call == 1:  # the ten records, both partitions: they are in poll()'s batch, handed to nobody yet
+            return real.consume(min(n, 10), timeout)
+        if call == 2:  # a second member joins; this read lasts until a partition was taken away
+            b_thread.start()
+            got: list[Any] = []
+            for _ in range(240):
+                got += real.consume(n, 0.25)
+                if len(real.assignment()) < 2:
+                    break
+            return got
+        return real.consume(n, timeout)
+
+    a = Subscriber(kafka_bootstrap, group, [topic])
+    real = a._consumer
+    a._consumer = Reads(real, script)  # type: ignore[assignment]
+    try:
+        events = a.poll(60.0, max_events=1000)
+        kept = a.assignment()
+        assert len(kept) == 1, kept
+        (_, mine), gone = kept[0], 1 - kept[0][1]
+        # Nothing of the partition that moved is handed over here, and none of it was committed.
+        assert {e.partition for e in events} == {mine} and len(events) == 5
+        assert committed(kafka_bootstrap, group, topic, 2) == [None, None]
+        for _ in range(120):  # the member going on (its next rebalance completes inside poll())
+            if len(b_got) == 5:
+                break
+            assert a.poll(0.25) == []
+        # Its next owner reads it from the start.
+        assert [(e.partition, e.offset) for e in b_got] == [(gone, o) for o in range(5)]
+        a.commit()
+        assert committed(kafka_bootstrap, group, topic, 2)[mine] == 5
+    finally:
+        b_stop.set()
+        if b_thread.is_alive():
+            b_thread.join(30)
+        a.close()
+
+
+def test_poll_ends_at_its_timeout_and_takes_any_max_events(kafka_bootstrap, kafka_topics):
+    topic = kafka_topics.create("sub-trickle")
+    produce(kafka_bootstrap, topic, events_of(1, 20))
+    with Subscriber(kafka_bootstrap, unique_name("sub-g"), [topic]) as sub:
+        real = sub._consumer
+
+        def trickle(call: int, n: int, timeout: float) -> list[Any]:
+            time.sleep(0.2)  # a slow fetch: one record at a time, 0.2 s each
+            return real.consume(1, 10)
+
+        sub._consumer = Reads(real, trickle)  # type: ignore[assignment]
+        first = sub.poll(1.0, max_events=1000)
+        assert 0 < len(first) < 20  # it read on for 4 s (the whole topic) past a 1 s timeout
+        sub._consumer = real
+        rest: list[SubscribedEvent] = []
+        for _ in range(40):
+            if len(first) + len(rest) == 20:
+                break
+            rest += sub.poll(0.5, max_events=2_000_000)  # above librdkafka's 1,000,000: ValueError
+    assert [e.envelope.seq for e in first + rest] == list(range(1, 21))
+
+
+def test_a_schema_registry_outage_is_not_an_undecodable_record(kafka_bootstrap, kafka_topics, schema_registry):
+    url, registry = schema_registry
+    topic = kafka_topics.create("sub-registry")
+    codec = envelope_codec(url)
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    for env in events_of(1, 3):
+        p.produce(topic, key=b"run-0", value=codec.encode_value(env, topic), headers=headers_for(env), partition=0)
+    p.flush(30)
+    codec.client.close()  # type: ignore[attr-defined]
+    group = unique_name("sub-g")
+    registry.fail_with = 503
+    got: list[SubscribedEvent] = []
+    with Subscriber(kafka_bootstrap, group, [topic], schema_registry_url=url, skip_undecodable=True) as sub:
+        with pytest.raises(SchemaRegistryUnavailable):
+            sub.run(got.append, idle_exit_s=5)
+        assert got == [] and sub.skipped_undecodable == 0  # were: 3 skipped, the offset committed past them
+    assert committed(kafka_bootstrap, group, topic) == [0]  # at the first record, not past it
+    registry.fail_with = None
+    with Subscriber(kafka_bootstrap, group, [topic], schema_registry_url=url, skip_undecodable=True) as sub:
+        got = drain(sub, 3)
+        assert sub.skipped_undecodable == 0
+    assert [e.envelope.seq for e in got] == [1, 2, 3]
+
+
+def test_an_envelope_whose_payload_is_another_event_type_does_not_decode(kafka_bootstrap, kafka_topics):
+    topic = kafka_topics.create("sub-mislabelled")
+    granted = sealed("run-1", 1, _granted(1))
+    mislabelled = granted.model_copy(update={"event_type": "tether.v1.RunCompleted"})  # its payload: StepGranted
+    produce(kafka_bootstrap, topic, [mislabelled, sealed("run-1", 2, _completed("done"), granted.hash)])
+    group = unique_name("sub-g")
+    with Subscriber(kafka_bootstrap, group, [topic], event_types={"RunCompleted"}) as sub:
+        with pytest.raises(UndecodableRecord) as caught:
+            sub.run(lambda e: None, idle_exit_s=20)
+    assert caught.value.offset == 0 and "StepGranted" in caught.value.reason
+    with Subscriber(kafka_bootstrap, group, [topic], event_types={"RunCompleted"}, skip_undecodable=True) as sub:
+        got = drain(sub, 1)
+        assert sub.skipped_undecodable == 1
+    assert [(e.envelope.seq, e.payload.answer) for e in got] == [(2, "done")]
 
 
 def test_the_command_line_prints_json_lines(kafka_bootstrap, kafka_topics):

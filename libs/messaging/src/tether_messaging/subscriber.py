@@ -9,15 +9,18 @@ run event log (a dashboard, a billing feed, a search index) needs much less, and
   crash or a scale-in;
 - `isolation.level=read_committed`: a record of an aborted or still open transaction is never
   delivered (the services write in transactions);
-- **at-least-once**: the group's offsets are committed after the events were handed over
-  (`run` commits once the handler returned for a batch), so a crash redelivers at most the
-  events of the batch in hand. An event is identified by (`run_id`, `seq`) on the run event log
-  (by `event_id` on the other topics): store it with your effect, and a redelivery is harmless;
+- **at-least-once**: a partition's committed offset moves past an event only once it was handled
+  (in `run`, once `handler(event)` returned; with `poll()`, once `commit()` was called or the next
+  `poll()` began), so a crash, a handler's exception or a rebalance redelivers at most the events
+  not yet handled. An event is identified by (`run_id`, `seq`) on the run event log (by `event_id`
+  on the other topics): store it with your effect, and a redelivery is harmless;
 - events filtered by type using the `tether-event-type` header, without decoding the rest;
 - **forward compatible**: an event whose payload schema this build does not know (a producer
   upgraded before you) is delivered with `payload=None` and its envelope (type, run, seq), not
-  dropped and not fatal; a record that is not an envelope at all raises `UndecodableRecord`
-  naming where it is, or is skipped and counted with `skip_undecodable=True`.
+  dropped and not fatal; a record that is not an envelope at all (or whose payload is not the
+  event type its envelope names) raises `UndecodableRecord` naming where it is, or is skipped and
+  counted with `skip_undecodable=True`. A schema registry outage is not such a record: it raises
+  `SchemaRegistryUnavailable` and the subscriber stays where it is.
 """
 
 from __future__ import annotations
@@ -69,12 +72,19 @@ class SubscribedEvent:
         return self.envelope.event_type
 
 
+#: Records taken from the client at a time (librdkafka's own limit is 1,000,000): poll() checks its
+#: deadline between chunks, so decoding one chunk is all it can run over its timeout.
+CONSUME_CHUNK = 1000
+
+
 class Subscriber:
-    """A consumer group member that yields decoded events and commits what was handed over.
+    """A consumer group member that yields decoded events and commits what was handled.
 
     Use `run(handler)`, or `poll()` / `commit()` yourself: call `poll()` again only once the
     events it returned were handled, since a rebalance inside `poll()` commits the positions of
-    everything returned before (so the next owner of a partition does not see it again).
+    everything earlier `poll()` calls returned (so the next owner of a partition does not see it
+    again); the events of a partition taken away during `poll()` are not returned (its next owner
+    gets them). Leaving a `with` block on an exception commits only what is known handled.
     """
 
     def __init__(
@@ -99,8 +109,13 @@ class Subscriber:
         self._owned_codec = codec is None
         self._codec = codec or envelope_codec(schema_registry_url)
         self._skip_undecodable = skip_undecodable
-        #: Next offset to commit per (topic, partition): past every record returned or passed over.
-        self._positions: dict[tuple[str, int], int] = {}
+        #: Next offset per (topic, partition) past every record poll() returned or passed over.
+        self._returned: dict[tuple[str, int], int] = {}
+        #: Next offset per (topic, partition) past every record known handled: what may be committed
+        #: while an event could still be in a handler's hands (a rebalance, an exception).
+        self._handled: dict[tuple[str, int], int] = {}
+        #: Partitions taken away during the poll() in progress: their events are not handed over.
+        self._revoked_in_poll: set[tuple[str, int]] = set()
         self.skipped_undecodable = 0
         self.passed_over = 0
         config: dict[str, Any] = {
@@ -120,36 +135,54 @@ class Subscriber:
 
     # -- the group -------------------------------------------------------------------------------
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        # Hand over cleanly: what was returned before this poll was handled (the contract above).
+        # Hand over cleanly, but only what was handled: this runs inside poll(), while events of
+        # these partitions may sit in the batch being collected, handed to nobody yet.
         revoked = {(tp.topic, tp.partition) for tp in partitions}
-        self._commit_positions(lambda key: key in revoked)
-        for key in revoked:
-            self._positions.pop(key, None)
+        self._revoked_in_poll |= revoked
+        self._commit_positions(self._handled, revoked)
+        self._forget(revoked)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # The session expired: another member may own them already; committing could go backwards.
-        for tp in partitions:
-            self._positions.pop((tp.topic, tp.partition), None)
+        lost = {(tp.topic, tp.partition) for tp in partitions}
+        self._revoked_in_poll |= lost
+        self._forget(lost)
+
+    def _forget(self, keys: Collection[tuple[str, int]]) -> None:
+        for key in keys:
+            self._returned.pop(key, None)
+            self._handled.pop(key, None)
 
     def assignment(self) -> list[tuple[str, int]]:
         return sorted((tp.topic, tp.partition) for tp in self._consumer.assignment())
 
     # -- reading ---------------------------------------------------------------------------------
     def poll(self, timeout_s: float = 1.0, *, max_events: int = 500) -> list[SubscribedEvent]:
-        """Up to `max_events` committed events (fewer when `timeout_s` passes first; [] when none)."""
+        """Up to `max_events` committed events (fewer when `timeout_s` passes first; [] when none).
+
+        Calling it declares the events earlier calls returned handled (see the class docstring)."""
+        self._handled.update(self._returned)
+        self._revoked_in_poll = set()
         out: list[SubscribedEvent] = []
         deadline = time.monotonic() + timeout_s
         while len(out) < max_events:
             left = deadline - time.monotonic()
-            # Block for the first record only; then take what is already fetched.
-            msgs = self._consumer.consume(max_events - len(out), timeout=max(left, 0) if not out else 0)
+            # Wait until there are events; then take only what is already fetched.
+            want = min(max_events - len(out), CONSUME_CHUNK)
+            msgs = self._consumer.consume(want, timeout=max(left, 0) if not out else 0)
+            if self._revoked_in_poll:
+                # A rebalance inside consume() took partitions away: their next owner reads them
+                # from what was committed, so nothing of theirs is handed over here.
+                gone = self._revoked_in_poll
+                out = [e for e in out if (e.topic, e.partition) not in gone]
+                msgs = [m for m in msgs if m.error() or (m.topic(), m.partition()) not in gone]
             if not msgs:
                 break
             for i, m in enumerate(msgs):
                 try:
                     event = self._take(m)
-                except UndecodableRecord:
-                    # Read again from the bad record (and whatever came after it in this fetch), so
+                except (UndecodableRecord, SchemaRegistryUnavailable):
+                    # Read again from this record (and whatever came after it in this fetch), so
                     # nothing is passed by: hand over what decoded before it, then stop at it.
                     self._rewind(msgs[i:])
                     if out:
@@ -157,6 +190,8 @@ class Subscriber:
                     raise
                 if event is not None:
                     out.append(event)
+            if time.monotonic() >= deadline:
+                break
         return out
 
     def _rewind(self, msgs: Sequence[Any]) -> None:
@@ -173,43 +208,56 @@ class Subscriber:
                 return None
             raise KafkaException(m.error())
         topic, partition, offset = m.topic(), m.partition(), m.offset()
-        self._positions[(topic, partition)] = offset + 1
+        key = (topic, partition)
+        # Not past it until it is returned or passed over: a restart meets it again.
+        self._returned[key] = offset
         if self._type_headers is not None:
             event_type = header_event_type(m.headers())
             if event_type is not None and event_type not in self._type_headers:
-                self.passed_over += 1
-                return None
+                return self._pass_over(key, offset)
         try:
             envelope = self._codec.decode_value(m.value() or b"")
-        except (SerdeError, SchemaRegistryUnavailable) as err:
+        except SchemaRegistryUnavailable:
+            # The one transient error (docs/serde.md): the record is fine, the registry is not.
+            log.warning("subscriber_schema_registry_unavailable", topic=topic, partition=partition, offset=offset)
+            raise
+        except SerdeError as err:
             return self._undecodable(topic, partition, offset, str(err))
         if self._types is not None and envelope.event_type not in self._types:
-            self.passed_over += 1  # a record without the header, filtered after decoding
-            return None
+            return self._pass_over(key, offset)  # a record without the header, filtered after decoding
         try:
             payload: AvroRecord | None = open_payload(envelope)
         except UnknownFingerprint:
             payload = None  # a newer event type or version: deliver what the envelope says
         except SerdeError as err:
             return self._undecodable(topic, partition, offset, f"payload: {err}")
+        if payload is not None and payload.AVRO_NAME != envelope.event_type:
+            return self._undecodable(
+                topic, partition, offset, f"the envelope says {envelope.event_type}, the payload is {payload.AVRO_NAME}")
+        self._returned[key] = offset + 1
         return SubscribedEvent(topic, partition, offset, envelope, payload)
+
+    def _pass_over(self, key: tuple[str, int], offset: int) -> None:
+        self.passed_over += 1
+        self._returned[key] = offset + 1
 
     def _undecodable(self, topic: str, partition: int, offset: int, reason: str) -> None:
         if not self._skip_undecodable:
-            # Not past it: the position stays at this record, so a restart meets it again.
-            self._positions[(topic, partition)] = offset
             raise UndecodableRecord(topic, partition, offset, reason)
+        self._returned[(topic, partition)] = offset + 1
         self.skipped_undecodable += 1
         log.warning("subscriber_skipped_undecodable", topic=topic, partition=partition, offset=offset, reason=reason)
         return None
 
     # -- committing ------------------------------------------------------------------------------
     def commit(self) -> None:
-        """Commit the positions past everything `poll()` returned (synchronously)."""
-        self._commit_positions(lambda key: True)
+        """Declare everything `poll()` returned handled and commit past it (synchronously)."""
+        self._handled.update(self._returned)
+        self._commit_positions(self._handled)
 
-    def _commit_positions(self, which: Callable[[tuple[str, int]], bool]) -> None:
-        offsets = [TopicPartition(t, p, o) for (t, p), o in sorted(self._positions.items()) if which((t, p))]
+    def _commit_positions(self, positions: Mapping[tuple[str, int], int],
+                          only: Collection[tuple[str, int]] | None = None) -> None:
+        offsets = [TopicPartition(t, p, o) for (t, p), o in sorted(positions.items()) if only is None or (t, p) in only]
         if offsets:
             try:
                 self._consumer.commit(offsets=offsets, asynchronous=False)
@@ -227,16 +275,22 @@ class Subscriber:
     ) -> int:
         """Hand every event to `handler`, committing after each batch, until `stop` is set,
         `max_events` were handled or nothing came for `idle_exit_s`. Returns how many were handled.
-        An exception from the handler propagates; what it had not finished is not committed."""
+        An exception from the handler propagates; the event it failed on and those after it are
+        not committed, and the next `poll()` or `run()` delivers them again."""
         handled = 0
         idle_since = time.monotonic()
         while not (stop is not None and stop.is_set()):
             want = 500 if max_events is None else min(500, max_events - handled)
             events = self.poll(0.5, max_events=want)
-            for event in events:
-                handler(event)
+            for i, event in enumerate(events):
+                try:
+                    handler(event)
+                except BaseException:
+                    self._give_back(events[i:])
+                    raise
+                self._handled[(event.topic, event.partition)] = event.offset + 1
                 handled += 1
-            self.commit()
+            self.commit()  # the whole batch was handled, records passed over after its last event too
             if events:
                 idle_since = time.monotonic()
             elif idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
@@ -245,10 +299,24 @@ class Subscriber:
                 break
         return handled
 
+    def _give_back(self, unhandled: Sequence[SubscribedEvent]) -> None:
+        # Not past the first unhandled event of each partition, and read from it again.
+        first: dict[tuple[str, int], int] = {}
+        for event in unhandled:
+            first.setdefault((event.topic, event.partition), event.offset)
+        for (topic, partition), offset in first.items():
+            self._returned[(topic, partition)] = offset
+            self._consumer.seek(TopicPartition(topic, partition, offset))
+
     def close(self) -> None:
-        """Commit what was handed over and leave the group (its partitions move at once)."""
+        """Commit what was handed over (everything `poll()` returned) and leave the group (its
+        partitions move at once)."""
+        self._close(self._returned)
+
+    def _close(self, positions: Mapping[tuple[str, int], int]) -> None:
         try:
-            self.commit()
+            self._handled.update(positions)
+            self._commit_positions(self._handled)
         finally:
             self._consumer.close()
             if self._owned_codec and isinstance(self._codec, RegistryCodec):
@@ -257,8 +325,9 @@ class Subscriber:
     def __enter__(self) -> Subscriber:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # Leaving on an exception: what the last poll() returned may not have been handled.
+        self._close(self._returned if exc_type is None else self._handled)
 
 
 # -- a command line: print events as JSON lines ----------------------------------------------------
