@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import pytest
 import structlog
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
 from pydantic import BaseModel
 
@@ -27,7 +27,7 @@ from tether_messaging.loop import LoopConfig, ProcessorLoop
 from tether_messaging.processor import Context, Inbound, PydanticStateCodec, TickContext, WorkDone
 from tether_messaging.serde import decode_envelope, encode, open_payload
 from tether_messaging.topics import Topics
-from tether_testing.kafka import latest_values
+from tether_testing.kafka import committed_records, latest_values
 from tether_testing.loops import LoopThread
 
 PARTITIONS = 2
@@ -209,28 +209,16 @@ def _wait_for(bootstrap: str, topic: str, done: object, running: LoopThread, tim
         reader.close()
 
 
+#: Aborts allowed beyond the ones the poison records cause: on a loaded machine an unrelated
+#: abort (a transaction timing out, librdkafka's INVALID_TXN_STATE, confluentinc/librdkafka#4849,
+#: which CI hit in test_loop_abort.py) must not fail these tests; an endless replay, what they
+#: guard against, aborts dozens of times in their time.
+SPARE_ABORTS = 2
+
+
 def _read_all(bootstrap: str, topic: str) -> list:
     """Every committed record of `topic`, in partition and offset order."""
-    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic}.all", "enable.partition.eof": True,
-                       "isolation.level": "read_committed", "enable.auto.commit": False})
-    reader.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
-    out: list = []
-    at_end: set[int] = set()
-    deadline = time.monotonic() + 30
-    try:
-        while len(at_end) < PARTITIONS and time.monotonic() < deadline:
-            msg = reader.poll(0.2)
-            if msg is None:
-                continue
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    at_end.add(msg.partition())
-                continue
-            out.append(msg)
-    finally:
-        reader.close()
-    assert len(at_end) == PARTITIONS, f"{topic} not read to its end"
-    return sorted(out, key=lambda m: (m.partition(), m.offset()))
+    return committed_records(bootstrap, topic, PARTITIONS)
 
 
 def _outputs_by_run(records: list) -> dict[str, list[tuple[str, int]]]:
@@ -337,7 +325,8 @@ def test_work_whose_outcome_is_too_large_is_dead_lettered_and_everything_else_st
     # sequence numbers", OUT_OF_ORDER_SEQUENCE_NUMBER, requires epoch bump): one more plain abort
     # and replay per refusal (which may also hold the other poison's replay or refusal). The poison
     # outcomes reached on_work_done once: replays dead-letter them.
-    assert 1 <= _aborted(name) - aborted_before <= len(POISON) * (2 if refused_by == "broker" else 1)
+    # SPARE_ABORTS: see its definition.
+    assert 1 <= _aborted(name) - aborted_before <= len(POISON) * (2 if refused_by == "broker" else 1) + SPARE_ABORTS
     assert processor.results[BIG_OUTPUT] == 1 and processor.results[BIG_STATE] == 1
     assert not loop._poison, loop._poison
 
@@ -399,6 +388,6 @@ def test_a_tick_whose_output_is_too_large_is_dropped_and_later_ticks_and_inputs_
     # transaction once more: "skipped sequence numbers", see the work test). on_tick ran once more
     # than the ticks committed for the dropped call and for each tick of a batch aborted after it.
     aborted = _aborted(name) - aborted_before
-    assert 1 <= aborted <= (2 if refused_by == "broker" else 1)
+    assert 1 <= aborted <= (2 if refused_by == "broker" else 1) + SPARE_ABORTS
     assert 1 <= processor.tick_calls - len(per_run["ticker-0"]) <= aborted
     assert not loop._poison, loop._poison

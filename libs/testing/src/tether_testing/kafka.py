@@ -66,13 +66,15 @@ class KafkaTopics:
             time.sleep(0.1)
 
 
-def latest_values(bootstrap: str, topic: str, partitions: int, *, timeout_s: float = 30.0) -> dict[bytes, bytes | None]:
-    """The last committed value of each key of `topic` (a changelog's current states; None for a
-    tombstone), read from offset 0 to the end of every partition (read_committed)."""
+def committed_records(bootstrap: str, topic: str, partitions: int, *, timeout_s: float = 30.0,
+                      require_end: bool = True) -> list:
+    """Every committed record (read_committed) of `topic`, from offset 0 to the end of each of its
+    `partitions`, in partition and offset order. With `require_end`, AssertionError if a partition
+    was not read to its end within `timeout_s`."""
     reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic}.check", "enable.partition.eof": True,
                        "isolation.level": "read_committed", "enable.auto.commit": False})
     reader.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
-    latest: dict[bytes, bytes | None] = {}
+    out: list = []
     at_end: set[int] = set()
     deadline = time.monotonic() + timeout_s
     try:
@@ -84,7 +86,15 @@ def latest_values(bootstrap: str, topic: str, partitions: int, *, timeout_s: flo
                 if msg.error().code() == KafkaError._PARTITION_EOF:
                     at_end.add(msg.partition())
                 continue
-            latest[msg.key()] = msg.value()
+            out.append(msg)
     finally:
         reader.close()
-    return latest
+    assert not require_end or len(at_end) == partitions, f"{topic} not read to its end in {timeout_s:.0f}s"
+    return sorted(out, key=lambda m: (m.partition(), m.offset()))
+
+
+def latest_values(bootstrap: str, topic: str, partitions: int, *, timeout_s: float = 30.0) -> dict[bytes, bytes | None]:
+    """The last committed value of each key of `topic` (a changelog's current states; None for a
+    tombstone), read from offset 0 to the end of every partition (read_committed)."""
+    records = committed_records(bootstrap, topic, partitions, timeout_s=timeout_s, require_end=False)
+    return {msg.key(): msg.value() for msg in records}
