@@ -253,13 +253,13 @@ class RunRejected(AvroRecord):
 
 
 class StepDeferred(AvroRecord):
-    """The budget service would grant the step but the tenant is over its token rate on this lane: the grant waits (it is not denied). StepGranted for the same step follows once the tenant's token bucket has room again, decided on the budget's timer in the tenant's order of deferral."""
+    """The budget service would grant the step but the tenant has no room on this lane yet (its token rate, or its spend cap counting the calls already granted): the grant waits (it is not denied). StepGranted for the same step follows once there is room, in the tenant's order of deferral (runs deferred earlier go first)."""
 
     AVRO_NAME: ClassVar[str] = "tether.v1.StepDeferred"
     KIND: ClassVar[str] = "events"
     step: int = Field(description="Run-local step number whose grant waits.")
-    reason_code: str = Field(description="Why the grant waits: TENANT_TOKEN_RATE.")
-    tokens_available: int = Field(description="The tenant's token bucket on this lane when deferred (zero or negative: model calls already granted used more than the rate allows).")
+    reason_code: str = Field(description="Why the grant waits: TENANT_TOKEN_RATE or TENANT_SPEND_CAP.")
+    tokens_available: int = Field(description="The tenant's token bucket on this lane when deferred: below the grant's reservation (negative when calls already granted used more than the rate allows), or any level while earlier-deferred runs wait; 2^62 when the lane has no token rate (a spend-cap deferral).")
     not_before_ms: int = Field(description="Earliest time the grant can be made, ms since the epoch (an estimate: the bucket's refill time; runs deferred earlier go first).")
 
 
