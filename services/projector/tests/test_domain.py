@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tether_contracts.records import ApprovalOutcome, CancelRun, Envelope, Usage
-from tether_messaging.chain import seal
+from tether_messaging.chain import event_hash, seal
 from tether_messaging.envelopes import make_envelope
 from tether_messaging.serde import encode, open_payload
 from tether_projector.domain.errors import UnsealedEvent
@@ -298,6 +298,34 @@ def test_wrong_prev_hash_is_flagged() -> None:
     relinked = seal(log.events[3], 4, "f" * 64)
     p = project(fold, relinked, open_payload(relinked))
     assert [problem_kind(x) for x in p.chain_problems] == ["PREV_HASH_MISMATCH"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("prev_hash", "é" * 64), ("prev_hash", "ab" * 32 + "\n"), ("prev_hash", "AB" * 32), ("seq", 0)],
+)
+def test_a_malformed_seal_is_a_hash_mismatch_even_when_hashed_over(field: str, value: object) -> None:
+    # The rule of tether_messaging.chain.verify_chain: seal() refuses such a seq/prev_hash, so an
+    # event carrying one was not sealed by the budget, whatever hash was computed over it.
+    log = happy_run("run-13")
+    fold, _ = fold_log(log.events[:3])
+    if field == "seq":  # the run's first event at seq 0, after the genesis hash
+        fold, odd = None, log.events[0].model_copy(update={"seq": value})
+    else:  # seq 4 after a malformed prev_hash (which also does not follow seq 3's hash)
+        odd = log.events[3].model_copy(update={field: value})
+    odd = odd.model_copy(update={"hash": event_hash(odd)})
+    p = project(fold, odd, open_payload(odd))
+    kinds = ["HASH_MISMATCH"] if field == "seq" else ["HASH_MISMATCH", "PREV_HASH_MISMATCH"]
+    assert [problem_kind(x) for x in p.chain_problems] == kinds
+    assert p.chain_problems[0].startswith(f"seq {odd.seq} HASH_MISMATCH: malformed: {field}")
+    assert p.fold.chain_ok is False and p.fold.chain_problems == p.chain_problems
+
+    # After a gap, where prev_hash is not compared, a malformed one is still flagged.
+    if field == "prev_hash":
+        late = log.events[5].model_copy(update={"prev_hash": value})
+        late = late.model_copy(update={"hash": event_hash(late)})
+        p = project(fold, late, open_payload(late))
+        assert [problem_kind(x) for x in p.chain_problems] == ["HASH_MISMATCH", "GAP"]
 
 
 # -- generated runs ---------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from tether_contracts.records import (
     ToolCallRequested,
     Usage,
 )
-from tether_messaging.chain import GENESIS_HASH, event_hash
+from tether_messaging.chain import GENESIS_HASH, verify_chain
 from tether_projector.domain.errors import UnsealedEvent
 from tether_projector.domain.rows import Json, Upsert
 from tether_projector.domain.state import (
@@ -117,10 +117,11 @@ def check_chain(fold: RunFold | None, envelope: Envelope) -> list[str]:
     seq = envelope.seq
     expected_seq = (fold.last_seq if fold else 0) + 1
     expected_prev = fold.last_hash if fold else GENESIS_HASH
-    problems = []
-    recomputed = event_hash(envelope)
-    if recomputed != envelope.hash:
-        problems.append(f"seq {seq} HASH_MISMATCH: content hashes to {recomputed}, event says {envelope.hash}")
+    # The event's own seal, by the log's rule (tether_messaging.chain.verify_chain, the event
+    # trusted as its anchor so only the event itself is judged): a seq below 1 or a prev_hash/hash
+    # that is not 64 lowercase hex characters is a HASH_MISMATCH ('malformed: ...') even when
+    # the hash was computed over it, as is content that does not hash to the event's hash.
+    problems = [f"seq {seq} {p.kind.value}: {p.detail}" for p in verify_chain([envelope], from_genesis=False)]
     if seq is not None and seq > expected_seq:
         problems.append(f"seq {seq} GAP: seq {expected_seq}..{seq - 1} missing")
     elif envelope.prev_hash != expected_prev:
