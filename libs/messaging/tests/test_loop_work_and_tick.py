@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 from pydantic import BaseModel
 
 from tether_contracts.records import Remaining, StepGranted
@@ -16,6 +16,7 @@ from tether_messaging.loop import LoopConfig, ProcessorLoop
 from tether_messaging.processor import Context, Inbound, PydanticStateCodec, TickContext, WorkDone
 from tether_messaging.serde import decode_envelope, encode, open_payload
 from tether_messaging.topics import Topics
+from tether_testing.kafka import latest_values
 
 PARTITIONS = 3
 REMAINING = Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)
@@ -106,22 +107,7 @@ def test_work_results_and_failures_are_delivered_and_ticks_expire_runs(kafka_boo
     assert outputs == {f"run-{n}": (-1 if n % 2 else n * 10, n % PARTITIONS) for n in range(1, 13)}
 
     # The tick's tombstones reached the changelog: a restore finds no runs left.
-    changelog = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": f"{topic_prefix}cl",
-                          "isolation.level": "read_committed", "enable.partition.eof": True})
-    changelog.assign([TopicPartition(topics.changelog("expire"), p, 0) for p in range(PARTITIONS)])
-    latest: dict[bytes, bytes | None] = {}
-    eof: set[int] = set()
-    deadline = time.monotonic() + 30
-    while len(eof) < PARTITIONS and time.monotonic() < deadline:
-        msg = changelog.poll(0.2)
-        if msg is None:
-            continue
-        if msg.error():
-            if msg.error().code() == KafkaError._PARTITION_EOF:
-                eof.add(msg.partition())
-            continue
-        latest[msg.key()] = msg.value()
-    changelog.close()
+    latest = latest_values(kafka_bootstrap, topics.changelog("expire"), PARTITIONS)
     runs = {k: v for k, v in latest.items() if k.startswith(b"run-")}
     assert len(runs) == 12 and all(v is None for v in runs.values())
 
