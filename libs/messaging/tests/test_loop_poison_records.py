@@ -13,7 +13,6 @@ from collections import defaultdict
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
 from pydantic import BaseModel
 
 from tether_contracts.records import Remaining, RunRejected, StepGranted
@@ -24,7 +23,7 @@ from tether_messaging.loop import LoopConfig, ProcessorLoop
 from tether_messaging.processor import Context, Inbound, PydanticStateCodec, TickContext, WorkDone
 from tether_messaging.serde import decode_envelope, encode, open_payload
 from tether_messaging.topics import Topics
-from tether_testing.kafka import latest_values
+from tether_testing.kafka import latest_values, set_topic_configs
 from tether_testing.loops import LoopThread
 
 NAME = "oversized"
@@ -89,12 +88,7 @@ def _input(run: int, n: int) -> bytes:
 
 
 def _limit_topics(bootstrap: str, topics: list[str], limit: int) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    resources = [ConfigResource(ResourceType.TOPIC, t, incremental_configs=[
-        ConfigEntry("max.message.bytes", str(limit), incremental_operation=AlterConfigOpType.SET)]) for t in topics]
-    for future in admin.incremental_alter_configs(resources).values():
-        future.result(timeout=30)
-    time.sleep(1.0)  # the brokers apply a topic config change asynchronously
+    set_topic_configs(bootstrap, topics, {"max.message.bytes": str(limit)})
 
 
 def _read(bootstrap: str, topic: str, expect: int, stop_early: list, timeout_s: float) -> list:

@@ -16,7 +16,6 @@ from collections import defaultdict
 import pytest
 import structlog
 from confluent_kafka import Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, ResourceType
 from pydantic import BaseModel
 
 from tether_contracts.records import Remaining, RunRejected, StepGranted
@@ -27,7 +26,7 @@ from tether_messaging.loop import LoopConfig, ProcessorLoop
 from tether_messaging.processor import Context, Inbound, PydanticStateCodec, TickContext, WorkDone
 from tether_messaging.serde import decode_envelope, encode, open_payload
 from tether_messaging.topics import Topics
-from tether_testing.kafka import committed_records, latest_values
+from tether_testing.kafka import committed_records, latest_values, set_topic_configs
 from tether_testing.loops import LoopThread
 
 PARTITIONS = 2
@@ -162,13 +161,7 @@ def _big_bytes(bootstrap: str, topics: Topics, name: str, refused_by: str) -> in
         return 1_200_000
     # Under the producer's limit, over the topics': the broker refuses the request and the
     # transaction fails at its commit (MSG_SIZE_TOO_LARGE in the delivery reports).
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    resources = [ConfigResource(ResourceType.TOPIC, t, incremental_configs=[
-        ConfigEntry("max.message.bytes", str(TOPIC_LIMIT), incremental_operation=AlterConfigOpType.SET)])
-        for t in (topics.run_events, topics.changelog(name))]
-    for future in admin.incremental_alter_configs(resources).values():
-        future.result(timeout=30)
-    time.sleep(1.0)  # the brokers apply a topic config change asynchronously
+    set_topic_configs(bootstrap, [topics.run_events, topics.changelog(name)], {"max.message.bytes": str(TOPIC_LIMIT)})
     return 2 * TOPIC_LIMIT
 
 
@@ -323,11 +316,17 @@ def test_work_whose_outcome_is_too_large_is_dead_lettered_and_everything_else_st
     # One abort found each poison outcome; no endless replay. After a broker refusal librdkafka
     # fails the next transaction that produces to the refused partition once more ("skipped
     # sequence numbers", OUT_OF_ORDER_SEQUENCE_NUMBER, requires epoch bump): one more plain abort
-    # and replay per refusal (which may also hold the other poison's replay or refusal). The poison
-    # outcomes reached on_work_done once: replays dead-letter them.
+    # and replay per refusal (which may also hold the other poison's replay or refusal).
     # SPARE_ABORTS: see its definition.
-    assert 1 <= _aborted(name) - aborted_before <= len(POISON) * (2 if refused_by == "broker" else 1) + SPARE_ABORTS
-    assert processor.results[BIG_OUTPUT] == 1 and processor.results[BIG_STATE] == 1
+    aborted = _aborted(name) - aborted_before
+    assert 1 <= aborted <= len(POISON) * (2 if refused_by == "broker" else 1) + SPARE_ABORTS
+    # Once found, a poison outcome never reaches on_work_done again: replays dead-letter it. Before
+    # that, every call of it ended in an abort (its batch can never commit) — its own, or one found
+    # for something else first: BIG_STATE, delivered in the same batch before BIG_OUTPUT whose
+    # produce() refusal ends the batch, is handled again in the replay (CI saw 2). So at most one
+    # call per abort, never one per replay without end.
+    for poison in POISON:
+        assert 1 <= processor.results[poison] <= aborted, (poison, processor.results[poison], aborted)
     assert not loop._poison, loop._poison
 
 

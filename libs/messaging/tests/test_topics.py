@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import structlog
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from tether_messaging import admin as admin_module, topics as names
 from tether_messaging.admin import (
@@ -18,6 +18,7 @@ from tether_messaging.admin import (
     declare_topics,
 )
 from tether_messaging.topics import Topics, TopicSpec
+from tether_testing.kafka import set_topic_configs
 
 
 def test_names_go_through_the_prefix() -> None:
@@ -222,11 +223,7 @@ def test_a_run_event_log_created_with_the_broker_defaults_is_refused(kafka_boots
     assert f"{t.run_events!r}" in str(info.value) and "retention.ms=-1" in str(info.value)
 
     # Set as its spec says (what an operator does), the same declaration goes through.
-    (fut,) = admin.incremental_alter_configs([ConfigResource(
-        ConfigResource.Type.TOPIC, t.run_events,
-        incremental_configs=[ConfigEntry("retention.ms", "-1", incremental_operation=AlterConfigOpType.SET)],
-    )]).values()
-    fut.result(30)
+    set_topic_configs(kafka_bootstrap, [t.run_events], {"retention.ms": "-1"})
     with structlog.testing.capture_logs() as logs:
         assert declare_topics(kafka_bootstrap, 2, ["budget"], prefix=topic_prefix) == []
     assert [e for e in logs if e["event"] == "topic_config_differs"] == []

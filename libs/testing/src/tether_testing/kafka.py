@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic
 
 from tether_testing.names import unique_name
 
@@ -98,3 +98,25 @@ def latest_values(bootstrap: str, topic: str, partitions: int, *, timeout_s: flo
     tombstone), read from offset 0 to the end of every partition (read_committed)."""
     records = committed_records(bootstrap, topic, partitions, timeout_s=timeout_s, require_end=False)
     return {msg.key(): msg.value() for msg in records}
+
+
+def set_topic_configs(bootstrap: str, topics: list[str], configs: Mapping[str, str], *,
+                      timeout_s: float = 30.0) -> None:
+    """Set `configs` on `topics` (what an operator does with kafka-configs) and wait until the
+    broker shows them: a change is committed to the metadata log before the broker applies it,
+    so a describe (or a produce checked against the limit) right after may still see the old value."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    resources = [ConfigResource(ConfigResource.Type.TOPIC, t, incremental_configs=[
+        ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in configs.items()])
+        for t in topics]
+    for future in admin.incremental_alter_configs(resources).values():
+        future.result(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    pending = list(topics)
+    while pending:
+        described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, t) for t in pending])
+        pending = [res.name for res, fut in described.items()
+                   if any(fut.result(timeout=timeout_s)[k].value != v for k, v in configs.items())]
+        if pending:
+            assert time.monotonic() < deadline, f"{dict(configs)} not applied to {pending} in {timeout_s} s"
+            time.sleep(0.2)
