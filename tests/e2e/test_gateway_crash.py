@@ -39,7 +39,7 @@ from tether_testing.system import SystemConfig, TetherSystem
 pytestmark = pytest.mark.e2e
 
 SCENARIOS = Path(__file__).parent / "scenarios"
-SINK_DELAY_MS = 4_000
+SINK_DELAY_MS = 6_000  # the window to read the ledger and kill in: ample on a loaded machine, under kv_put's 10 s timeout
 OUTCOMES = (ToolCallCompleted, ToolCallFailed, ToolCallDenied, ToolCallOutcomeUnknown)
 #: The ledger trigger's notification channel (see `resolutions`).
 CHANNEL = "tether_e2e_resolved"

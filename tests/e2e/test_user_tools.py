@@ -47,7 +47,7 @@ from tether_tool_gateway.mcp_testing import (
 pytestmark = pytest.mark.e2e
 
 SCENARIOS = Path(__file__).parent / "scenarios"
-SINK_DELAY_MS = 4_000
+SINK_DELAY_MS = 6_000  # the window to read the ledger and kill in: ample on a loaded machine
 #: The team's token: in the gateway's secret source (environment) only; team_lookup sends it as a header.
 SECRET = "tok-e2e-7f3a9c2d5b8e41f6a0c9d7e3b1f5a8c2"
 OUTCOMES = (ToolCallCompleted, ToolCallFailed, ToolCallDenied, ToolCallOutcomeUnknown)

@@ -30,8 +30,10 @@ _spec.loader.exec_module(eos_processor)
 
 PARTITIONS = 4
 REMAINING = Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)
-#: Input 7 of each run starts work (eos_processor.WORK_EVERY); it runs long enough that the
-#: second member's join (noticed at the first member's next heartbeat, ≤ 2 s) revokes it mid-way.
+#: Input 7 of each run starts work (eos_processor.WORK_EVERY). In the graceful-stop test it runs
+#: this long, so the stop comes mid-way; in the join test it runs until the first member's revoke
+#: (a fixed time was too short on a loaded machine: the second member's transactional init and
+#: join can take longer than the work, and the work was then done before anything moved).
 WORK_S = 6.0
 INPUTS = 10
 
@@ -39,9 +41,10 @@ INPUTS = 10
 class CountingProcessor(eos_processor.EosProcessor):
     """The exactly-once checker, counting how often each piece of work actually runs."""
 
-    def __init__(self, topics: Topics, calls: Counter, running: set, lock: threading.Lock) -> None:
+    def __init__(self, topics: Topics, calls: Counter, running: set, lock: threading.Lock,
+                 release: threading.Event | None = None) -> None:
         super().__init__(topics, int(WORK_S * 1000))
-        self.calls, self.running, self.lock = calls, running, lock
+        self.calls, self.running, self.lock, self.release = calls, running, lock, release
 
     def _start(self, ctx, run_id, state, n) -> None:  # noqa: ANN001 - the base class's signature
         key = f"{run_id}:{n}"
@@ -50,7 +53,10 @@ class CountingProcessor(eos_processor.EosProcessor):
             with self.lock:
                 self.calls[key] += 1
                 self.running.add(key)
-            time.sleep(WORK_S)
+            if self.release is None:
+                time.sleep(WORK_S)
+            else:
+                assert self.release.wait(60), "the work was never released"
             with self.lock:
                 self.running.discard(key)
             return n
@@ -127,13 +133,25 @@ def test_a_member_joining_does_not_make_running_work_run_twice(kafka_bootstrap: 
                                                                revoke_drain_ms: int, handed_over: bool) -> None:
     topics, calls, running, lock, errors = _setup(kafka_bootstrap, topic_prefix)
     stop = threading.Event()
+    release = threading.Event()  # the work runs until the first member's revoke
 
     def member(instance: int) -> ProcessorLoop:
-        return ProcessorLoop(CountingProcessor(topics, calls, running, lock),
+        return ProcessorLoop(CountingProcessor(topics, calls, running, lock, release),
                              LoopConfig(bootstrap=kafka_bootstrap, topics=topics, instance_id=instance,
                                         revoke_drain_ms=revoke_drain_ms))
 
     first, second = member(0), member(1)
+    revoke = first._on_revoke
+
+    def on_revoke(consumer, partitions) -> None:  # noqa: ANN001 - librdkafka's callback
+        # Handing over: the work finishes while the revoke waits for it. Giving up at once: only
+        # after the revoke, so nothing of it can be committed before the partitions move.
+        if handed_over:
+            release.set()
+        revoke(consumer, partitions)
+        release.set()
+
+    first._on_revoke = on_revoke  # looked up when the loop subscribes
     threads = [_start(first, stop, errors)]
     producer = Producer({"bootstrap.servers": kafka_bootstrap})
     reader = _reader(kafka_bootstrap, topic_prefix, topics)
@@ -160,8 +178,9 @@ def test_a_member_joining_does_not_make_running_work_run_twice(kafka_bootstrap: 
     if handed_over:
         assert calls == Counter({f"p{p}:7": 1 for p in range(PARTITIONS)}), calls
     else:
-        # The old behaviour: the work of every partition that moved ran again on its new owner.
-        assert moved and all(calls[key] == 2 for key in moved), (moved, calls)
+        # The old behaviour: the work of every partition that moved ran again on its new owner
+        # (again on a further rebalance, which giving up at once allows).
+        assert moved and all(calls[key] >= 2 for key in moved), (moved, calls)
 
 
 @pytest.mark.integration

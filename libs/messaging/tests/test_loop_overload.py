@@ -98,6 +98,7 @@ def test_a_slow_batch_commits_what_it_handled_in_time_and_the_rest_follows_exact
         monotonic=clock,
     )
     carried_before = loop_mod.CARRIED.labels("eos")._value.get()
+    aborted_before = loop_mod.BATCHES.labels("eos", "aborted")._value.get()
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -143,4 +144,8 @@ def test_a_slow_batch_commits_what_it_handled_in_time_and_the_rest_follows_exact
     for run, outs in per_run.items():
         assert [step for step, _ in outs] == list(range(1, INPUTS_PER_RUN + 1)), f"{run}: counters {outs}"
         assert [cause for _, cause in outs] == expected[run], f"{run}: not one output per input in order"
-    assert len(processor.batch_of) == TOTAL, "an input was handled more than once"
+    # Each input handled once, but for replays: an unrelated abort (a transaction the broker timed
+    # out on a loaded machine, librdkafka's INVALID_TXN_STATE, confluentinc/librdkafka#4849)
+    # replays its batch, at most MAX_PER_BATCH records; the outputs above stay exactly once.
+    aborted = loop_mod.BATCHES.labels("eos", "aborted")._value.get() - aborted_before
+    assert TOTAL <= len(processor.batch_of) <= TOTAL + MAX_PER_BATCH * aborted, (len(processor.batch_of), aborted)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -91,22 +93,35 @@ def _limit_topics(bootstrap: str, topics: list[str], limit: int) -> None:
     set_topic_configs(bootstrap, topics, {"max.message.bytes": str(limit)})
 
 
-def _read(bootstrap: str, topic: str, expect: int, stop_early: list, timeout_s: float) -> list:
+def _read(bootstrap: str, topic: str, expect: int, stop_early: list, timeout_s: float,
+          identity: Callable[[Any], Any] = lambda m: (m.partition(), m.offset())) -> list:
+    """The records of `topic` until `expect` distinct ones (by `identity`; None: not counted) are
+    in, then 1 s more. At least once, outputs are counted by event id, leaving out the poison
+    inputs' normal outputs: the replays' duplicates and those must not end the wait before the
+    last expected outputs are in."""
     reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic}.reader",
                        "isolation.level": "read_committed", "enable.auto.commit": False})
     reader.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
     out: list = []
+    distinct: set = set()
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline and not stop_early:
-            if len(out) >= expect:
+            if len(distinct) >= expect:
                 deadline = min(deadline, time.monotonic() + 1.0)  # a duplicate would show up by then
             msg = reader.poll(0.2)
             if msg is not None and not msg.error():
                 out.append(msg)
+                if (seen := identity(msg)) is not None:
+                    distinct.add(seen)
     finally:
         reader.close()
     return out
+
+
+def _expected_output_id(m: Any) -> str | None:
+    event_id = decode_envelope(m.value()).event_id
+    return None if event_id in {f"out:{run}:{n}" for run, n in POISON} else event_id
 
 
 def _latest_changelog(bootstrap: str, topic: str) -> dict[bytes, bytes | None]:
@@ -150,17 +165,22 @@ def test_an_output_or_checkpoint_too_large_dead_letters_its_input_and_the_partit
     expected_outputs = RUNS * INPUTS_PER_RUN - len(POISON)
     try:
         # Without the fix the loop replays the poison records' batches forever: bounded here.
-        outputs = _read(kafka_bootstrap, topics.run_events, expected_outputs, running.errors, timeout_s=60)
-        dead = _read(kafka_bootstrap, topics.dead_letters, len(POISON), running.errors, timeout_s=30)
+        outputs = _read(kafka_bootstrap, topics.run_events, expected_outputs, running.errors, timeout_s=60,
+                        identity=_expected_output_id)
+        dead = _read(kafka_bootstrap, topics.dead_letters, len(POISON), running.errors, timeout_s=30,
+                     identity=lambda m: (m.key(), m.value()))
     finally:
         running.stop()
     assert not running.errors, running.errors
     assert not running.is_alive()
 
-    # Each poison input was dead-lettered once, with its reason, naming the topic and size of
-    # what could not be produced (not its content), and its original value, key and partition.
+    # Each poison input was dead-lettered once (at least once where the loop is not transactional:
+    # a batch that produced one dead letter and then found the other poison record is produced
+    # again when replayed — seen), with its reason, naming the topic and size of what could not be
+    # produced (not its content), and its original value, key and partition.
     by_input = {(m.key().decode(), open_payload(decode_envelope(m.value())).step): m for m in dead}
-    assert len(dead) == len(POISON), [dict(m.headers()) for m in dead]
+    if transactional:
+        assert len(dead) == len(POISON), [dict(m.headers()) for m in dead]
     assert set(by_input) == set(POISON)
     too_large_topic = {BIG_OUTPUT: topics.run_events, BIG_STATE: topics.changelog(NAME)}
     for key, m in by_input.items():

@@ -413,7 +413,7 @@ def test_cli_serves_the_scenarios_and_logs_requests(tmp_path: Path) -> None:
         env={**os.environ},
     )
     try:
-        for _ in range(200):
+        for _ in range(600):  # 30 s: a Python start on a loaded machine
             if port_file.exists() and port_file.read_text():
                 break
             if proc.poll() is not None:

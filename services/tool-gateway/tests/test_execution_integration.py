@@ -263,16 +263,18 @@ def test_large_result_is_stored_as_a_claim_check_in_postgres(pg, http):
 
 
 def test_slow_execution_heartbeats_its_lease(pg, http):
-    runner = pg(GW0, lease_ms=1_000, heartbeat_ms=100)
-    other = pg(Owner("tool-gateway-1", "b"), lease_ms=1_000)
-    tool = http_get_spec(["127.0.0.1"], timeout_ms=20_000)
-    intent = make_intent(tool, {"url": f"{http.url}/slow/3000"})
+    # Lease and heartbeat wide enough that a starved heartbeat thread on a loaded machine still
+    # renews in time; the answer late enough that the checks below run while the call is in flight.
+    runner = pg(GW0, lease_ms=3_000, heartbeat_ms=300)
+    other = pg(Owner("tool-gateway-1", "b"), lease_ms=3_000)
+    tool = http_get_spec(["127.0.0.1"], timeout_ms=40_000)
+    intent = make_intent(tool, {"url": f"{http.url}/slow/8000"})
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(runner.run, intent, tool)
         while not http.records():  # the request is in flight
             time.sleep(0.02)
-        time.sleep(1.5)  # longer than one lease: only heartbeats keep it
-        assert isinstance(other.ledger.claim(intent, other.owner, 1_000), Busy)
+        time.sleep(4.0)  # longer than one lease: only heartbeats keep it
+        assert isinstance(other.ledger.claim(intent, other.owner, 3_000), Busy)
         assert isinstance(other.run(intent, tool), Pending)
         outcome = running.result(timeout=30)
     assert isinstance(outcome, Completed)
