@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+import structlog
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from tether_contracts.records import Envelope, Remaining, RunCompleted, StepGranted, Usage
 from tether_messaging.chain import GENESIS_HASH, seal
@@ -94,8 +95,47 @@ class Reads:
         return getattr(self.real, name)
 
 
+class CommitFails:
+    """A member's consumer whose first offset commits raise `errors` (as librdkafka's synchronous commit
+    does when it meets a group rebalance) — later commits and everything else go to the real one."""
+
+    def __init__(self, consumer: Consumer, errors: list[KafkaError]) -> None:
+        self.real, self.errors = consumer, list(errors)
+        self.commits: list[list[TopicPartition]] = []
+
+    def commit(self, *args: Any, **kwargs: Any) -> Any:
+        self.commits.append(kwargs.get("offsets"))
+        if self.errors:
+            raise KafkaException(self.errors.pop(0))
+        return self.real.commit(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def in_twos(sub: Subscriber, errors: list[KafkaError]) -> CommitFails:
+    """Make `sub` read at most two records per poll() (so run() commits after every two) and fail its
+    first commits with `errors`."""
+    real = sub._consumer
+
+    def two_per_poll(call: int, n: int, timeout: float) -> list[Any]:
+        # poll() waits only on its first read (timeout > 0); an empty follow-up read ends it.
+        return real.consume(min(n, 2), timeout) if timeout > 0 else []
+
+    commits = CommitFails(real, errors)
+    sub._consumer = Reads(commits, two_per_poll)  # type: ignore[assignment, arg-type]
+    return commits
+
+
 def drain(sub: Subscriber, want: int, *, timeout_s: float = 60.0) -> list[SubscribedEvent]:
     got: list[SubscribedEvent] = []
+    drain_into(sub, got, want, timeout_s=timeout_s)
+    return got
+
+
+def drain_into(sub: Subscriber, got: list[SubscribedEvent], want: int | None = None, *,
+               timeout_s: float = 60.0) -> None:
+    """run() into `got` until `want` events (None: until stopped) or `timeout_s`."""
     stop = threading.Event()
     timer = threading.Timer(timeout_s, stop.set)
     timer.start()
@@ -103,7 +143,6 @@ def drain(sub: Subscriber, want: int, *, timeout_s: float = 60.0) -> list[Subscr
         sub.run(got.append, stop=stop, max_events=want)
     finally:
         timer.cancel()
-    return got
 
 
 def test_only_committed_records_are_delivered_decoded_and_resumed_after_a_restart(kafka_bootstrap, kafka_topics):
@@ -308,6 +347,40 @@ def test_a_rebalance_inside_poll_commits_and_hands_over_only_what_was_handled(ka
         if b_thread.is_alive():
             b_thread.join(30)
         a.close()
+
+
+@pytest.mark.parametrize("code", [KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION,
+                                  KafkaError.UNKNOWN_MEMBER_ID])
+def test_a_commit_that_meets_a_rebalance_is_put_off_and_run_goes_on(kafka_bootstrap, kafka_topics, code):
+    topic = kafka_topics.create("sub-commit-rebalance")
+    produce(kafka_bootstrap, topic, events_of(1, 6))
+    group = unique_name("sub-g")
+    with Subscriber(kafka_bootstrap, group, [topic]) as sub:
+        commits = in_twos(sub, [KafkaError(code)])
+        with structlog.testing.capture_logs() as logs:
+            got = drain(sub, 6)  # was: the KafkaException out of run() after its first batch
+        # Every event handled once, and run()'s own later commits took the put-off positions with them
+        # (checked before leaving the block, whose close() would commit anyway).
+        assert [e.envelope.seq for e in got] == [1, 2, 3, 4, 5, 6]
+        assert len(commits.commits) >= 2 and not commits.errors
+        assert committed(kafka_bootstrap, group, topic) == [6]
+        assert sub.commits_deferred == 1
+    deferred = [entry for entry in logs if entry["event"] == "subscriber_commit_deferred"]
+    assert [(e["log_level"], e["error"]) for e in deferred] == [("warning", KafkaError(code).name())]
+
+
+@pytest.mark.parametrize("code", [KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError._FATAL])
+def test_any_other_commit_error_still_raises(kafka_bootstrap, kafka_topics, code):
+    topic = kafka_topics.create("sub-commit-fails")
+    produce(kafka_bootstrap, topic, events_of(1, 6))
+    group = unique_name("sub-g")
+    got: list[SubscribedEvent] = []
+    with pytest.raises(KafkaException) as caught, Subscriber(kafka_bootstrap, group, [topic]) as sub:
+        in_twos(sub, [KafkaError(code)])
+        drain_into(sub, got)
+    assert caught.value.args[0].code() == code and sub.commits_deferred == 0
+    # Raised at the first batch's commit: run() went no further; leaving the block committed what it handled.
+    assert 0 < len(got) <= 2 and committed(kafka_bootstrap, group, topic) == [len(got)]
 
 
 def test_poll_ends_at_its_timeout_and_takes_any_max_events(kafka_bootstrap, kafka_topics):

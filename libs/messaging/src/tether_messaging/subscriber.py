@@ -12,8 +12,11 @@ run event log (a dashboard, a billing feed, a search index) needs much less, and
 - **at-least-once**: a partition's committed offset moves past an event only once it was handled
   (in `run`, once `handler(event)` returned; with `poll()`, once `commit()` was called or the next
   `poll()` began), so a crash, a handler's exception or a rebalance redelivers at most the events
-  not yet handled. An event is identified by (`run_id`, `seq`) on the run event log (by `event_id`
-  on the other topics): store it with your effect, and a redelivery is harmless;
+  not yet handled. A commit that meets a rebalance (the group's generation moving on) is not an
+  error: the positions stay known handled and go with the next commit (or the revoke callback's),
+  and a partition that moved meanwhile is read by its new owner from its last committed offset —
+  events delivered again, never lost. An event is identified by (`run_id`, `seq`) on the run event
+  log (by `event_id` on the other topics): store it with your effect, and a redelivery is harmless;
 - events filtered by type using the `tether-event-type` header, without decoding the rest;
 - **forward compatible**: an event whose payload schema this build does not know (a producer
   upgraded before you) is delivered with `payload=None` and its envelope (type, run, seq), not
@@ -72,6 +75,17 @@ class SubscribedEvent:
         return self.envelope.event_type
 
 
+#: Offset-commit errors of a group rebalance (librdkafka does not retry them and a synchronous commit
+#: returns them): REBALANCE_IN_PROGRESS while the group rebalances, ILLEGAL_GENERATION /
+#: UNKNOWN_MEMBER_ID once its generation moved on without this member's commit. Nothing is wrong:
+#: the positions stay in `_handled` for the next commit (or the revoke callback's), and a partition
+#: that moved is read again by its new owner from its last committed offset (at-least-once).
+_COMMIT_DEFERRED = frozenset({
+    KafkaError.REBALANCE_IN_PROGRESS,
+    KafkaError.ILLEGAL_GENERATION,
+    KafkaError.UNKNOWN_MEMBER_ID,
+})
+
 #: Records taken from the client at a time (librdkafka's own limit is 1,000,000): poll() checks its
 #: deadline between chunks, so decoding one chunk is all it can run over its timeout.
 CONSUME_CHUNK = 1000
@@ -84,7 +98,9 @@ class Subscriber:
     events it returned were handled, since a rebalance inside `poll()` commits the positions of
     everything earlier `poll()` calls returned (so the next owner of a partition does not see it
     again); the events of a partition taken away during `poll()` are not returned (its next owner
-    gets them). Leaving a `with` block on an exception commits only what is known handled.
+    gets them). Leaving a `with` block on an exception commits only what is known handled. A commit
+    that meets a rebalance is put off, not raised (logged, counted in `commits_deferred`): any other
+    commit error raises.
     """
 
     def __init__(
@@ -118,6 +134,9 @@ class Subscriber:
         self._revoked_in_poll: set[tuple[str, int]] = set()
         self.skipped_undecodable = 0
         self.passed_over = 0
+        #: Commits put off by a rebalance (`_COMMIT_DEFERRED`): their positions go with a later commit,
+        #: or a partition that moved is read again by its next owner.
+        self.commits_deferred = 0
         config: dict[str, Any] = {
             "bootstrap.servers": bootstrap,
             "group.id": group_id,
@@ -251,19 +270,30 @@ class Subscriber:
 
     # -- committing ------------------------------------------------------------------------------
     def commit(self) -> None:
-        """Declare everything `poll()` returned handled and commit past it (synchronously)."""
+        """Declare everything `poll()` returned handled and commit past it (synchronously).
+
+        A commit that meets a group rebalance (`_COMMIT_DEFERRED`) returns without committing: the
+        positions stay known handled and go with the next commit, or with the revoke callback's if
+        the rebalance takes partitions away. Any other commit error raises `KafkaException`."""
         self._handled.update(self._returned)
         self._commit_positions(self._handled)
 
     def _commit_positions(self, positions: Mapping[tuple[str, int], int],
                           only: Collection[tuple[str, int]] | None = None) -> None:
+        # Clears nothing: what is not committed here stays in `positions` (`_handled`) for later.
         offsets = [TopicPartition(t, p, o) for (t, p), o in sorted(positions.items()) if only is None or (t, p) in only]
         if offsets:
             try:
                 self._consumer.commit(offsets=offsets, asynchronous=False)
             except KafkaException as err:
-                if err.args[0].code() != KafkaError._NO_OFFSET:
+                error = err.args[0]
+                if error.code() == KafkaError._NO_OFFSET:
+                    return
+                if error.code() not in _COMMIT_DEFERRED:
                     raise
+                self.commits_deferred += 1
+                log.warning("subscriber_commit_deferred", error=error.name(), partitions=len(offsets),
+                            reason="group rebalance: committed with the next commit or the revoke")
 
     def run(
         self,
@@ -276,7 +306,9 @@ class Subscriber:
         """Hand every event to `handler`, committing after each batch, until `stop` is set,
         `max_events` were handled or nothing came for `idle_exit_s`. Returns how many were handled.
         An exception from the handler propagates; the event it failed on and those after it are
-        not committed, and the next `poll()` or `run()` delivers them again."""
+        not committed, and the next `poll()` or `run()` delivers them again. A commit that meets a
+        group rebalance does not stop it: what was handled is committed with the next batch's
+        commit (see `commit`); any other commit error propagates."""
         handled = 0
         idle_since = time.monotonic()
         while not (stop is not None and stop.is_set()):
