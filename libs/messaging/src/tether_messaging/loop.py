@@ -406,6 +406,10 @@ class _Batch:
     state_puts: dict[tuple[int, str], list[tuple[_Origin, Any]]] = field(default_factory=dict)
     #: Poison records (`ProcessorLoop._poison`) dead-lettered in this batch: forgotten once it commits.
     poisoned: list[_Origin] = field(default_factory=list)
+    #: Reasons of the dead letters produced in this batch: counted (DEAD_LETTERS) once they are in
+    #: the log for good, at the commit (or at once without a transaction, which an abort does not
+    #: take back), so a replayed batch's aborted attempts do not count them again.
+    dead_lettered: list[str] = field(default_factory=list)
     produced: int = 0
     handled: int = 0
     #: Records that reached the decoder (handled, dead-lettered or failed), not just passed over.
@@ -863,6 +867,8 @@ class ProcessorLoop:
             # Nothing of it committed: the partitions' next owner redoes the work (and finds a
             # poison outcome by itself).
             self._log.warning("handover_aborted", error=str(exc))
+            if not self._txn:
+                self._count_dead_letters(batch)  # produced without a transaction: they stay
             self._abort_transaction()
             self._producer.poll(0)
             self._refused.clear()
@@ -1325,7 +1331,7 @@ class ProcessorLoop:
         ]
         self._produce_dead_letter(m.partition(), m.key(), m.value(), headers)
         batch.produced += 1
-        DEAD_LETTERS.labels(self._name, reason).inc()
+        batch.dead_lettered.append(reason)
         RECORDS.labels(self._name, m.topic(), "dead_lettered").inc()
         self._log.warning("dead_lettered", reason=reason, detail=detail[:500], topic=m.topic(),
                           partition=m.partition(), offset=m.offset())
@@ -1341,7 +1347,7 @@ class ProcessorLoop:
         ]
         self._produce_dead_letter(w.partition, w.run_id.encode(), None, headers)
         batch.produced += 1
-        DEAD_LETTERS.labels(self._name, reason).inc()
+        batch.dead_lettered.append(reason)
         self._log.warning("work_dead_lettered", reason=reason, detail=detail[:500], key=w.key)
 
     def _produce_dead_letter(self, partition: int, key: bytes | None, value: bytes | None,
@@ -1432,12 +1438,20 @@ class ProcessorLoop:
                     "offset_commit", lambda: self._consumer.commit(offsets=offsets, asynchronous=False),
                     retriable=lambda err: err.retriable() or err.code() in _COMMIT_RETRIABLE)
         COMMIT_SECONDS.labels(self._name).observe(time.monotonic() - started)
+        self._count_dead_letters(batch)
         self._last_commit_at = time.monotonic()
         for tp in offsets:
             self._committed[(tp.topic, tp.partition)] = tp.offset
 
+    def _count_dead_letters(self, batch: _Batch) -> None:
+        for reason in batch.dead_lettered:
+            DEAD_LETTERS.labels(self._name, reason).inc()
+        batch.dead_lettered.clear()
+
     def _abort(self, batch: _Batch, snapshot: tuple, exc: _AbortBatch) -> None:
         poison_found = isinstance(exc, _PoisonBatch) and exc.origin is not None
+        if not self._txn:
+            self._count_dead_letters(batch)  # produced without a transaction: they stay in the log
         if not self._txn and not poison_found:
             raise FatalLoopError(f"at-least-once batch failed: {exc}") from exc
         self._log.warning("batch_aborted", error=str(exc))
