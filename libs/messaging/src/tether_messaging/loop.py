@@ -778,15 +778,17 @@ class ProcessorLoop:
     # -- rebalance callbacks (run inside consumer.poll/consume, never with a txn open) -------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Restoring takes I/O that may fail transiently; errors raised inside a librdkafka
-        # callback surface badly, so the new partitions stay paused until the loop thread
-        # has restored them (`_restore_pending`).
+        # callback surface badly, so the loop thread restores the new partitions
+        # (`_restore_pending`) before it handles any record (`_run_batch` holds back a batch
+        # collected while an assignment came in). The partitions are not paused meanwhile:
+        # pause() right after assign() can leave a partition never fetched, with no error
+        # (confluentinc/librdkafka#2190, #5591: the pause's version barrier outdates the
+        # assign's fetch start); a tool gateway saw nothing of its run-events for 4 minutes.
+        # Records fetched during the restore just wait in the client's queue.
         new = sorted({tp.partition for tp in partitions} - set(self._owned))
         for tp in partitions:
             self._owned.setdefault(tp.partition, set()).add(tp.topic)
         consumer.assign(partitions)
-        paused = [tp for tp in partitions if tp.partition in new]
-        if paused:
-            consumer.pause(paused)
         self._to_restore.update(new)
         self._log.info("partitions_assigned", partitions=sorted(self._owned), to_restore=new)
         if not self._to_restore:
@@ -796,9 +798,6 @@ class ProcessorLoop:
         partitions = sorted(self._to_restore)
         self._restore(partitions)
         self._to_restore.clear()
-        self._consumer.resume(
-            [TopicPartition(topic, p) for p in partitions for topic in self._owned.get(p, ())]
-        )
         self._ready.set()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -1050,6 +1049,11 @@ class ProcessorLoop:
         if self._to_restore:
             self._restore_pending()
         msgs = self._collect(stop)
+        if self._to_restore:
+            # Partitions were assigned while collecting: nothing is handled before their states
+            # are restored (a record of one may already be here). Kept in order for the next batch.
+            self._buffer = msgs + self._buffer
+            return
         finished = [f for f in self._take_finished() if self._is_current(f)]
         tick_due = time.monotonic() >= self._next_tick and bool(self._owned)
         if not msgs and not finished and not tick_due:
