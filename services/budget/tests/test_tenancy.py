@@ -194,6 +194,27 @@ def test_the_spend_window_rolls_over(harness):
     assert harness.tenant().spent_usd_micros == 0
 
 
+def test_a_grant_held_by_the_spend_of_calls_in_flight_waits_for_the_windows_end(harness):
+    limits = cap(5, 5, spend_cap_usd_micros=1_500, spend_window_ms=60_000)
+    window_end = harness.driver.now_ms - harness.driver.now_ms % 60_000 + 60_000
+    harness.driver.now_ms = window_end - 59_000
+    harness.submit("r1", limits=limits)
+    harness.model(1, 1, "r1", cost=1_000)  # the lane's first usage: grants reserve about 1,000 from now on
+    harness.submit("r2", limits=limits)  # 1,000 spent + 1,000 reserved for r2's call, in flight all window
+    harness.request(1, 0, "r1")
+    out = harness.done("1.0", "r1")
+    deferred = out[-1]
+    assert isinstance(deferred, StepDeferred) and deferred.reason_code == "TENANT_SPEND_CAP"
+    # The next window starts with nothing spent: the grant is due then, not at every tick before.
+    assert deferred.not_before_ms == window_end and harness.tenant().deferred_due_at() == window_end
+    assert deferred.tokens_available == 2**62  # no token rate on this lane
+    harness.driver.now_ms = window_end - 1
+    assert harness.tick() == []
+    harness.driver.now_ms = window_end
+    assert types(harness.tick()) == ["StepGranted"]
+    assert types(harness.log_payloads("r1"))[-2:] == ["StepDeferred", "StepGranted"]
+
+
 def test_a_queued_run_admitted_after_the_tenant_ran_out_of_money_is_rejected_and_the_next_one_tried(harness):
     limits = cap(1, 5, spend_cap_usd_micros=500)
     harness.submit("r1", limits=limits)

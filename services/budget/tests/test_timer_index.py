@@ -78,3 +78,46 @@ def test_grants_waiting_for_the_lanes_first_usage_have_no_timer() -> None:
 
 def test_a_tenant_without_deferred_runs_has_no_timer() -> None:
     assert _tenant(-100, deferred=False).deferred_due_at() is None
+
+
+def _spend_held(**fields) -> TenantLedger:
+    """1,000 of 1,500 µUSD spent in the window from 120,000, and a call in flight expected to cost 1,000."""
+    values: dict = dict(tenant_id="t1", limits=TenantLimits(spend_cap_usd_micros=1_500, spend_window_ms=60_000),
+                        spend_window_start_ms=120_000, spent_usd_micros=1_000, spend_reserved_usd_micros=1_000,
+                        usage_samples=1, deferred=["r1"])
+    values.update(fields)
+    return TenantLedger(**values)
+
+
+def _with_rate(tokens: float | None, at_ms: int) -> TenantLedger:
+    limits = TenantLimits(spend_cap_usd_micros=1_500, spend_window_ms=60_000, tokens_per_minute=600)
+    return _spend_held(limits=limits, tokens=tokens, tokens_at_ms=at_ms)
+
+
+@pytest.mark.parametrize(("tenant", "wake"), [
+    # No token rate: the bucket's clock stays at 0, a window long gone; the hold lasts until 180,000.
+    (_spend_held(), 180_000),
+    # A token rate too: the later of the window's end and the bucket's refill (153,650 / 185,100).
+    (_with_rate(-35.5, 150_000), 180_000),
+    (_with_rate(-100.0, 175_000), 185_100),
+    (_with_rate(None, 130_000), 180_000),
+    # The bucket's clock already in the next window: the spend of the recorded one holds nothing.
+    (_with_rate(-1.0, 190_000), 190_200),
+])
+def test_deferred_grants_held_by_the_spend_cap_are_due_exactly_when_the_window_ends(tenant: TenantLedger,
+                                                                                    wake: int) -> None:
+    assert tenant.deferred_due_at() == wake
+    latest = max(tenant.tokens_at_ms, tenant.spend_window_start_ms)  # the clock never goes back behind it
+    clock = {*range(120_000, 200_001, 1_000), wake - 1, wake, wake + 1, 239_999, 240_000, 10**9}
+    for now in sorted(n for n in clock if n >= latest):
+        assert tenant.rate_allows(now) == (now >= wake), (now, wake)
+
+
+@pytest.mark.parametrize("tenant", [
+    _spend_held(spend_reserved_usd_micros=1_500),  # the calls in flight alone reach the cap, in any window
+    _spend_held(limits=TenantLimits(spend_cap_usd_micros=1_500)),  # no window: the spend never rolls over
+])
+def test_grants_held_by_the_spend_of_calls_in_flight_alone_have_no_timer(tenant: TenantLedger) -> None:
+    # Their usage (a record), not the clock, ends that wait.
+    assert tenant.deferred_due_at() is None
+    assert not any(tenant.rate_allows(now) for now in range(120_000, 10**6, 7_000))

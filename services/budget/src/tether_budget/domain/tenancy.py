@@ -246,18 +246,30 @@ class TenantLedger(BaseModel):
         return self.grant_wait(now_ms) is None
 
     def refill_at(self, now_ms: int) -> int:
-        """When the bucket holds a grant's reservation again (an estimate recorded with a deferral;
-        `now_ms` while the grant waits for the lane's first usage, which no clock can tell)."""
+        """When a deferred grant may go: the bucket holds its reservation again and the spend is not
+        held (at the latest, the spend window's end). An estimate recorded with a deferral; `now_ms`
+        while the grant waits for a record no clock can tell of (the lane's first usage, or the
+        usage of the calls in flight while their reservations alone reach the cap)."""
         due = self._due_at()
         return now_ms if due is None else max(now_ms, due)
 
     def _due_at(self) -> int | None:
+        # A grant goes once both hold: the bucket has the reservation, and the spend is not held.
         if self._waits_for_first_usage():
             return None
-        if self._spend_held(self.tokens_at_ms):
-            # The usage of the calls in flight (records, not the clock) or the next window frees it.
+        due = self._bucket_due_at()
+        # The spend is judged at the latest clock value the ledger recorded (not at the bucket's
+        # time alone: on a lane without a token rate that stays 0, a window long gone), so the
+        # answer holds for every later clock value until the ledger changes.
+        at = max(self.tokens_at_ms, self.spend_window_start_ms)
+        if self._spend_held(at):
             window = self.limits.spend_window_ms
-            return None if window <= 0 else self.spend_window_start_ms + window
+            if window <= 0 or self.spend_reserved_usd_micros >= self.limits.spend_cap_usd_micros:
+                return None  # held in every window: only the usage of the calls in flight (records) frees it
+            due = max(due, at - at % window + window)  # the next window starts with nothing spent
+        return due
+
+    def _bucket_due_at(self) -> int:
         tpm = self.limits.tokens_per_minute
         if tpm <= 0 or self.tokens is None:
             return 0
