@@ -16,6 +16,7 @@ import pytest
 
 from tether_budget.domain import ledger as ledger_module
 from tether_budget.domain.decisions import AdmissionPolicy, Decide, Plan, admit, fold, idem_key
+from tether_budget.domain.errors import ProtocolViolation
 from tether_budget.domain.ledger import Ledger
 from tether_budget.domain.loopguard import LoopGuard, LoopGuardConfig
 from tether_budget.entrypoint import BudgetStateCodec
@@ -259,6 +260,20 @@ def test_a_record_of_a_folded_step_is_dropped_as_stale() -> None:
     assert run.ledger.seq == before["seq"]
     recent = 40 - ledger_module.DETAIL_STEPS + 1
     assert run.model(recent, 1).dropped == "DUPLICATE_EVENT"  # a recent one: still known by its id
+
+
+@pytest.mark.parametrize("steps_before", [0, 40])
+def test_a_record_of_step_0_is_a_step_mismatch_not_a_stale_step(steps_before: int) -> None:
+    # Nothing is folded on a fresh run (through_step 0), yet step 0 was never granted either:
+    # the record is dead-lettered as the protocol violation it is, not silently dropped.
+    run = Run()
+    run.submit(max_steps=100)
+    for step in range(1, steps_before + 1):
+        run.step(step, _progress(step))
+    seq = run.ledger.seq
+    with pytest.raises(ProtocolViolation) as refused:
+        run.model(0, 1)
+    assert refused.value.reason == "STEP_MISMATCH" and run.ledger.seq == seq
 
 
 def test_an_old_checkpoint_that_kept_every_call_and_id_loads_and_folds_like_a_live_one(monkeypatch) -> None:

@@ -338,8 +338,9 @@ class Ledger(BaseModel):
 
     def is_stale(self, step: int) -> bool:
         """A record of a folded step: it was sequenced before (its id is forgotten) or it is
-        refused; either way nothing is appended."""
-        return step <= self.folded.through_step
+        refused; either way nothing is appended. Steps start at 1: a record of step 0 or below
+        was never granted, and is refused as a mismatch instead (dead-lettered, not dropped)."""
+        return 0 < step <= self.folded.through_step
 
     # -- derived facts --------------------------------------------------------------------
     @property
