@@ -259,8 +259,8 @@ class StepDeferred(AvroRecord):
     KIND: ClassVar[str] = "events"
     step: int = Field(description="Run-local step number whose grant waits.")
     reason_code: str = Field(description="Why the grant waits: TENANT_TOKEN_RATE or TENANT_SPEND_CAP.")
-    tokens_available: int = Field(description="The tenant's token bucket on this lane when deferred: below the grant's reservation (negative when calls already granted used more than the rate allows), or any level while earlier-deferred runs wait; 2^62 when the lane has no token rate (a spend-cap deferral).")
-    not_before_ms: int = Field(description="Earliest time the grant can be made, ms since the epoch (an estimate: the bucket's refill time; runs deferred earlier go first).")
+    tokens_available: int = Field(description="The tenant's token bucket on this lane when deferred. Below the grant's reservation (negative when calls already granted used more than the rate allows) only for a TENANT_TOKEN_RATE deferral by the bucket itself; any level while earlier-deferred runs wait, while the lane waits for its first model call's usage (one grant at a time until then), and for a TENANT_SPEND_CAP deferral (the spend, not the bucket, holds the grant); 2^62 when the lane has no token rate.")
+    not_before_ms: int = Field(description="Earliest time the grant can be made, ms since the epoch (an estimate; runs deferred earlier go first): when the bucket holds the grant's reservation again and, if the calls in flight hold the spend, the spend window has ended. The time of the deferral when only a record can end the wait: the lane's first model-call usage, or the usage of the calls in flight when the spend cap has no window or their reservations alone reach it.")
 
 
 class StepGranted(AvroRecord):
@@ -409,7 +409,7 @@ class TerminationReport(AvroRecord):
     reason_code: str = Field(description="Machine-readable reason: COMPLETED, STEP_CAP, TOKEN_CAP, COST_CAP, WALL_CLOCK_CAP, TOOL_CALL_CAP, LOOP_DETECTED, CANCELLED, MODEL_FAILED, CONTEXT_OVERFLOW, APPROVAL_TIMEOUT.")
     detail: str = Field(description="Human-readable explanation.")
     steps_done: int = Field(description="Model-call steps completed.")
-    tool_calls_done: list[str] = Field(description="Completed tool calls as 'call_id tool_name status'.")
+    tool_calls_done: list[str] = Field(description="Finished tool calls (and calls refused as NOT_BUDGETED), one per entry as 'call_id tool_name status'. The calls of a long run's earliest steps (more than 16 steps before its last grant) are summarised instead, as the first entry: '<N> earlier call(s) of steps 1\u2013<K>: <tool_name> <status> \u00d7<n>, <tool_name> <status> \u00d7<n>, ...' (N calls in all, of steps 1 to K; each tool name and status with its count, in order of first occurrence; an en dash between 1 and K, a multiplication sign before each count), and the later calls follow one per entry.")
     pending: list[str] = Field(description="Calls or approvals still open when the run stopped.")
     usage: Usage = Field(description="Cumulative usage at the stop.")
     last_error: str | None = Field(None, description="The last error the run saw, if any.")
