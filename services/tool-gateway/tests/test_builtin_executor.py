@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import select
+import socket
+import threading
+import time
 
 import pytest
 
@@ -157,6 +161,56 @@ def test_send_email_to_a_closed_port_is_a_tool_error():
     with pytest.raises(ToolError) as exc:
         run(send_email_spec("127.0.0.1", free_port(), "a@b.test"), {"to": "c@d.test", "subject": "s", "body": "b"})
     assert exc.value.code == "TOOL_ERROR" and not exc.value.retryable
+
+
+class DrippingSmtpServer:
+    """A loopback SMTP server that never finishes its greeting: a `220-` continuation line every 0.2 s
+    for 30 s. Each read of the client gets a line well within any per-operation timeout."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.closed = threading.Event()  # the client closed or shut down the connection
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="dripping-smtp", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self._listener.accept()
+        with conn:
+            ends = time.monotonic() + 30
+            while time.monotonic() < ends and not self._stop.is_set():
+                try:
+                    readable, _, _ = select.select([conn], [], [], 0.2)
+                    if readable and conn.recv(1) == b"":  # the client's FIN
+                        self.closed.set()
+                        return
+                    conn.sendall(b"220-slow\r\n")
+                except OSError:  # reset by the client
+                    self.closed.set()
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._listener.close()
+
+
+def test_send_email_to_a_server_that_never_finishes_its_greeting_times_out_at_the_deadline():
+    # smtplib's timeout is per socket operation and it reads continuation lines without limit: without
+    # a deadline on the whole conversation this call would last the server's 30 s.
+    server = DrippingSmtpServer()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ToolError) as exc:
+            run(send_email_spec("127.0.0.1", server.port, "a@b.test", timeout_ms=1000),
+                {"to": "c@d.test", "subject": "s", "body": "b"})
+        elapsed = time.monotonic() - started
+        assert exc.value.code == "TIMEOUT" and not exc.value.retryable
+        assert elapsed < 10  # near the 1 s deadline (loose: a loaded machine), not the server's 30 s
+        assert server.closed.wait(5)  # the server sees the connection end: nothing is left talking to it
+    finally:
+        server.close()
 
 
 def test_unknown_builtin_is_executor_unavailable():

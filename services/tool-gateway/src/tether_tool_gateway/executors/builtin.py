@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import email.policy
 import functools
 import json
 import re
 import smtplib
+import socket
 import ssl
 import threading
 import time
@@ -251,9 +253,59 @@ def kv_get(request: ExecutionRequest, config: dict[str, Any], secrets: SecretPro
 
 
 # -- send_email --------------------------------------------------------------------------------
+class _DeadlineSMTP(smtplib.SMTP):
+    """An SMTP client whose whole conversation (connect, greeting, every command) ends at `deadline`,
+    a time.monotonic() value.
+
+    smtplib's timeout bounds each socket operation, and getreply() reads a reply's continuation lines
+    ("220-…") for as long as they come: a server sending one every few seconds would hold the execution
+    thread without end, and the message could go out after the call was recorded as TIMEOUT. At the
+    deadline a timer shuts the socket down, which wakes a read or write blocked on it (closing it would
+    not); a socket connected after the deadline is shut down before anything is read or sent on it."""
+
+    def __init__(self, deadline: float) -> None:
+        super().__init__(timeout=max(deadline - time.monotonic(), 0.001))
+        self._deadline = deadline
+        self._lock = threading.Lock()
+        self._expired = False
+        self._live: socket.socket | None = None
+        self._timer = threading.Timer(max(deadline - time.monotonic(), 0.0), self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    @property
+    def expired(self) -> bool:
+        """Whether the deadline passed (the conversation was, or will be, cut)."""
+        return self._expired or time.monotonic() >= self._deadline
+
+    def _get_socket(self, host: str, port: int, timeout: float | None) -> socket.socket:
+        # smtplib's own hook (SMTP_SSL and LMTP override it too): the socket, before the greeting is read.
+        sock = super()._get_socket(host, port, timeout)
+        with self._lock:
+            self._live = sock
+            if self._expired:  # the lookup or the connect outlasted the deadline
+                _shut(sock)
+        return sock
+
+    def _expire(self) -> None:
+        with self._lock:
+            self._expired = True
+            if self._live is not None:
+                _shut(self._live)
+
+    def disarm(self) -> None:
+        self._timer.cancel()
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # already closed or reset
+        sock.shutdown(socket.SHUT_RDWR)
+
+
 def send_email(request: ExecutionRequest, config: dict[str, Any], secrets: SecretProvider) -> dict[str, Any]:
     """Send one plain-text message. The idem_key goes in Message-ID and X-Idempotency-Key so a
-    receiving system could deduplicate, but SMTP itself cannot: the tool is not idempotent."""
+    receiving system could deduplicate, but SMTP itself cannot: the tool is not idempotent.
+    The whole SMTP conversation ends at the call's deadline (`_DeadlineSMTP`) → TIMEOUT."""
     # Long unbroken header values (the 64-hex idem_key) must not be folded mid-value.
     msg = EmailMessage(policy=email.policy.default.clone(max_line_length=998))
     msg["From"] = _require(config, "from_addr")
@@ -262,14 +314,22 @@ def send_email(request: ExecutionRequest, config: dict[str, Any], secrets: Secre
     msg["Message-ID"] = f"<{request.idem_key}@tether.invalid>"
     msg["X-Idempotency-Key"] = request.idem_key
     msg.set_content(request.args["body"])
+    host, port = _require(config, "smtp_host"), int(_require(config, "smtp_port"))
+    smtp = _DeadlineSMTP(time.monotonic() + request.timeout_s)
     try:
-        with smtplib.SMTP(_require(config, "smtp_host"), int(_require(config, "smtp_port")),
-                          timeout=request.timeout_s) as smtp:
+        with smtp:
+            code, greeting = smtp.connect(host, port)
+            if code != 220:
+                raise smtplib.SMTPConnectError(code, greeting)
             refused = smtp.send_message(msg)
-    except TimeoutError as exc:
-        raise ToolError("TIMEOUT", f"SMTP timed out: {exc}") from exc
-    except (smtplib.SMTPException, OSError) as exc:
+    except (smtplib.SMTPException, OSError) as exc:  # TimeoutError and the SMTP errors are OSErrors
+        if smtp.expired or isinstance(exc, TimeoutError):
+            # Not retryable: the tool is not idempotent, and the server may have taken the message.
+            raise ToolError("TIMEOUT", f"SMTP did not finish within the tool's {request.tool.timeout_ms} ms "
+                                       f"({type(exc).__name__}: {exc})") from exc
         raise ToolError("TOOL_ERROR", f"SMTP failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        smtp.disarm()
     if refused:
         raise ToolError("TOOL_ERROR", f"recipients refused: {sorted(refused)}")
     return {"to": request.args["to"], "message_id": msg["Message-ID"], "sent": True}
