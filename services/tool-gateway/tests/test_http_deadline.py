@@ -103,15 +103,15 @@ def timed(executor, req: ExecutionRequest) -> tuple[ToolError, float]:
     return caught.value, time.monotonic() - started
 
 
-def http_get_call(port: int, timeout_ms: int) -> tuple[BuiltinExecutor, ExecutionRequest]:
-    tool = http_get_spec(["127.0.0.1"], timeout_ms=timeout_ms)
-    return BuiltinExecutor(), request(tool, {"url": f"http://127.0.0.1:{port}/"})
+def http_get_call(port: int, timeout_ms: int, host: str = "127.0.0.1") -> tuple[BuiltinExecutor, ExecutionRequest]:
+    tool = http_get_spec([host], timeout_ms=timeout_ms)
+    return BuiltinExecutor(), request(tool, {"url": f"http://{host}:{port}/"})
 
 
-def http_tool_call(port: int, timeout_ms: int) -> tuple[HttpToolExecutor, ExecutionRequest]:
+def http_tool_call(port: int, timeout_ms: int, host: str = "127.0.0.1") -> tuple[HttpToolExecutor, ExecutionRequest]:
     tool = ToolSpec(name="team_lookup", version=1, description="d", args_schema_json='{"type":"object"}',
                     risk_class=RiskClass.READ_ONLY, idempotent=False, untrusted_source=False, executor_kind="http",
-                    executor_config_json=json.dumps({"url": f"http://127.0.0.1:{port}/lookup"}),
+                    executor_config_json=json.dumps({"url": f"http://{host}:{port}/lookup"}),
                     timeout_ms=timeout_ms + 250)  # the executor gives up 0.25 s before the tool's timeout
     return HttpToolExecutor(), request(tool, {"q": "x"})
 
@@ -158,3 +158,42 @@ def test_a_kv_store_dripping_its_answer_times_out_at_the_deadline(serve, spec, a
     prompt = serve([(0.0, HEAD % len(KV_ANSWER) + KV_ANSWER)])
     result = BuiltinExecutor().execute(request(spec(f"http://127.0.0.1:{prompt.port}"), args), MappingSecretProvider())
     assert result["version"] == 1
+
+
+#: A name whose lookup never answers (`dns_hangs`), as when the DNS server drops the queries.
+HANGING_HOST = "tool.hangs.test"
+
+
+@pytest.fixture
+def dns_hangs(monkeypatch):
+    """socket.getaddrinfo does not answer for HANGING_HOST (for 30 s, then fails as a resolver that gave up);
+    other names resolve as usual. Patched in `socket`, where socket.create_connection looks it up too."""
+    release = threading.Event()
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host == HANGING_HOST:
+            release.wait(30)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield
+    release.set()  # frees the lookup thread the call stopped waiting for
+
+
+@CALLS
+def test_a_host_name_lookup_that_never_answers_times_out_at_the_deadline(dns_hangs, call):
+    # getaddrinfo takes no timeout: looked up on the calling thread, the call would last as long as the resolver.
+    executor, req = call(9, 1000, host=HANGING_HOST)
+    error, elapsed = timed(executor, req)
+    assert error.code == "TIMEOUT" and error.retryable
+    assert elapsed < 10  # near the 1 s deadline (loose: a loaded machine), not the lookup's 30 s
+
+
+@CALLS
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1"])
+def test_localhost_and_ip_literals_still_connect(serve, call, host):
+    server = serve([(0.0, HEAD % 2 + b"{}")])
+    executor, req = call(server.port, 5000, host=host)
+    assert executor.execute(req, MappingSecretProvider())["status"] == 200

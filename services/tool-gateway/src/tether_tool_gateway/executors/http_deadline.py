@@ -11,6 +11,15 @@ ReadTimeout/WriteTimeout/ConnectTimeout once none is left. httpx maps these to i
 TimeoutException, which the executors already report as TIMEOUT; httpcore closes the connection
 on the error, so a pooled connection is never reused half-read.
 
+The host name is resolved by the backend too, and bounded the same way: socket.getaddrinfo has no
+timeout (socket.create_connection, which httpcore uses, would wait for the system resolver however
+long it takes, then give each address the full connect timeout), so the lookup runs on a small pool
+of daemon threads and the caller stops waiting for it at the deadline (ConnectTimeout); each address
+it returns is then tried with the time left. Nothing in the gateway checks resolved addresses (the
+egress allowlist is of names and IP literals, docs/policy.md), so connecting to the addresses this
+lookup returns is what socket.create_connection did. TLS still verifies the URL's host name: httpcore
+takes server_hostname from the request's origin, not from the address connected to.
+
 The deadline is a context variable set around the call (`call_deadline`), not a property of the
 client, so the KV store's shared client (one pool for every call) bounds each call by its own.
 """
@@ -18,9 +27,14 @@ client, so the KV store's shared client (one pool for every call) bounds each ca
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import queue
+import socket
 import ssl
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from contextvars import ContextVar
 from typing import Any
 
@@ -75,17 +89,92 @@ class _DeadlineStream(httpcore.NetworkStream):
         return self._inner.get_extra_info(info)
 
 
+class _Lookups:
+    """Host-name lookups on a few daemon threads, so that a caller can stop waiting for one.
+
+    Daemon threads: a lookup that never ends must not hold the process at exit (ThreadPoolExecutor's
+    threads are joined then). A lookup whose caller stopped waiting before it started is skipped; one
+    that started runs until the system resolver gives up, holding its thread. Threads start on first use."""
+
+    def __init__(self, threads: int) -> None:
+        self._threads = threads
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        self._started = False
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        with self._lock:
+            if not self._started:
+                for i in range(self._threads):
+                    threading.Thread(target=self._work, name=f"tool-resolve-{i}", daemon=True).start()
+                self._started = True
+        future: Future[Any] = Future()
+        self._queue.put((future, fn))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the caller, who maps it
+                future.set_exception(exc)
+
+
+#: Lookups in flight at once. A lookup normally takes milliseconds; only ones stuck on an unanswering
+#: DNS server stay, until the system resolver gives up (resolv.conf's timeout × attempts).
+_LOOKUPS = _Lookups(threads=8)
+
+
 class _DeadlineBackend(httpcore.NetworkBackend):
+    """httpcore's SyncBackend with every operation bounded by the call's deadline, the host-name lookup
+    included."""
+
     def __init__(self) -> None:
         self._inner = httpcore.SyncBackend()
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
                     socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
-        return _DeadlineStream(self._inner.connect_tcp(host, port, _bounded(timeout, httpcore.ConnectTimeout),
-                                                       local_address, socket_options))
+        # What socket.create_connection does, with the lookup bounded and each address given the time left.
+        error: httpcore.ConnectError | httpcore.ConnectTimeout = httpcore.ConnectError(f"{host!r} has no address")
+        for address in _addresses(host, port, timeout):
+            try:
+                # An address literal: create_connection's own lookup of it is answered without DNS.
+                stream = self._inner.connect_tcp(address, port, _bounded(timeout, httpcore.ConnectTimeout),
+                                                 local_address, socket_options)
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                error = exc
+                continue
+            return _DeadlineStream(stream)
+        raise error
 
     def sleep(self, seconds: float) -> None:
         self._inner.sleep(seconds)
+
+
+def _addresses(host: str, port: int, timeout: float | None) -> list[str]:
+    """The addresses of `host` as socket.getaddrinfo gives them, in its order, looked up on `_LOOKUPS`
+    within min(`timeout`, time left until the deadline): ConnectTimeout past it, ConnectError when
+    the name does not resolve. An IP literal is its own address (no lookup, no thread)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        return [host]
+    wait = _bounded(timeout, httpcore.ConnectTimeout)
+    # socket.getaddrinfo is looked up when called, as socket.create_connection does.
+    lookup = _LOOKUPS.submit(lambda: socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
+    try:
+        found = lookup.result(timeout=wait)
+    except TimeoutError:
+        lookup.cancel()
+        raise httpcore.ConnectTimeout(f"looking up {host!r} did not finish in time") from None
+    except OSError as exc:  # socket.gaierror: no such name, no answer
+        raise httpcore.ConnectError(f"looking up {host!r} failed: {exc}") from exc
+    return [sockaddr[0] for *_, sockaddr in found]
 
 
 #: httpx's default limits (httpx.HTTPTransport's pool).
