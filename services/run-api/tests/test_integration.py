@@ -460,10 +460,25 @@ def test_bootstrap_demo_is_repeatable_and_its_keys_work(stack, monkeypatch, tmp_
     assert again.exit_code == 0, again.output
     assert "+ " not in again.output and "export" not in again.output  # nothing new: same tools, agent, keys
 
+    # An operator spreads the tenant; neither renaming it nor re-running the set-up undoes that.
+    spread = CliRunner().invoke(cli.app, ["admin", "create-tenant", tenant_id, "--spread", "3"])
+    assert spread.exit_code == 0, spread.output
+    assert f"tenant {tenant_id}: spread 1 -> 3" in spread.stdout
+    renamed = CliRunner().invoke(cli.app, ["--json", "admin", "create-tenant", tenant_id, "--display-name", "Demo"])
+    assert renamed.exit_code == 0, renamed.output
+    assert json.loads(renamed.stdout) == {"tenant_id": tenant_id, "created": False, "spread": 3,
+                                          "previous_spread": 3}
+    third = CliRunner().invoke(cli.app, ["admin", "bootstrap-demo", "--tenant", tenant_id,
+                                         "--api-key", keys["TETHER_API_KEY"],
+                                         "--approver-key", keys["TETHER_APPROVER_KEY"]])
+    assert third.exit_code == 0, third.output
+    assert f"tenant {tenant_id} (spread 3)" in third.output and "+ " not in third.output
+    assert stack.app.store.tenant_spread(tenant_id) == 3
+
     user, approver = keys["TETHER_API_KEY"], keys["TETHER_APPROVER_KEY"]
     runs = runs_grpc.RunServiceStub(stack.channel)
     sub = runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="demo", goal="Hello"), metadata=md(user))
-    partition = partition_for(tenant_id, sub.run_id, stack.settings.partitions, 1)
+    partition = partition_for(tenant_id, sub.run_id, stack.settings.partitions, 3)
     [msg] = records_for(stack, sub.run_id, partition, expect=1)
     cmd = open_payload(decode_envelope(msg.value()))
     assert [t.name for t in cmd.tools] == ["http_get", "kv_put", "kv_get", "send_email"]

@@ -36,8 +36,11 @@ class FakeStore:
     def __getattr__(self, name: str):
         return getattr(self.catalog if hasattr(self.catalog, name) else self.ledger, name)
 
-    def ensure_tenant(self, tenant_id: str, display_name: str = "", spread: int = 1) -> None:
-        self.catalog.spreads[tenant_id] = spread
+    def ensure_tenant(self, tenant_id: str, display_name: str | None = None, spread: int | None = None) -> int | None:
+        previous = self.catalog.spreads.get(tenant_id)
+        if spread is not None or previous is None:
+            self.catalog.spreads[tenant_id] = spread or 1
+        return previous
 
 
 @pytest.fixture(params=["fake", pytest.param("postgres", marks=pytest.mark.integration)])
@@ -136,6 +139,10 @@ def test_grants_and_spread(store) -> None:
     assert store.grants_for("t", "bob") == ["a", "b"]
     assert store.grants_for("other", "alice") == []
     assert store.tenant_spread("t") == 3 and store.tenant_spread("unknown") == 1
+    # Re-creating a tenant without a spread (a repeated set-up) keeps it; the previous one is returned.
+    assert store.ensure_tenant("t", "renamed") == 3 and store.tenant_spread("t") == 3
+    assert store.ensure_tenant("t", None, 2) == 3 and store.tenant_spread("t") == 2
+    assert store.ensure_tenant("new") is None and store.tenant_spread("new") == 1
 
 
 def test_submit_ledger_claims_once_per_tenant_and_request(store) -> None:

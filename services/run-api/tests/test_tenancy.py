@@ -385,8 +385,11 @@ class LimitsStore:
     def tenant_policy(self, tenant_id: str) -> TenantPolicy:
         return replace(self.saved.get(tenant_id, TenantPolicy()), spread=self.tenant_spread(tenant_id))
 
-    def ensure_tenant(self, tenant_id: str, display_name: str = "", spread: int = 1) -> None:
-        self.spread = spread
+    def ensure_tenant(self, tenant_id: str, display_name: str | None = None, spread: int | None = None) -> int:
+        previous = self.spread
+        if spread is not None:
+            self.spread = spread
+        return previous
 
     def set_tenant_limits(self, tenant_id: str, policy: TenantPolicy) -> bool:
         if tenant_id != "acme":

@@ -49,6 +49,7 @@ class DemoSetup:
     agent: AgentSpec
     tools: list[ToolSpec] = field(default_factory=list)
     changed: list[str] = field(default_factory=list)
+    tenant: TenantChange | None = None
 
 
 def _check_roles(roles: Iterable[str]) -> tuple[str, ...]:
@@ -59,18 +60,41 @@ def _check_roles(roles: Iterable[str]) -> tuple[str, ...]:
     return roles
 
 
-def create_tenant(store: PostgresStore, tenant_id: str, *, display_name: str = "", spread: int = 1) -> None:
-    """Create (or rename / re-spread) a tenant. A new spread applies to runs submitted afterwards;
-    it may not exceed any of the tenant's limits (each of its lanes holds at least 1 of a limit)."""
+@dataclass(frozen=True)
+class TenantChange:
+    """What create-tenant did to a tenant: its spread before (None: the tenant is new) and now."""
+
+    tenant_id: str
+    spread: int
+    previous_spread: int | None
+
+    @property
+    def created(self) -> bool:
+        return self.previous_spread is None
+
+    @property
+    def spread_changed(self) -> bool:
+        return self.previous_spread is not None and self.previous_spread != self.spread
+
+
+def create_tenant(store: PostgresStore, tenant_id: str, *, display_name: str | None = None,
+                  spread: int | None = None) -> TenantChange:
+    """Create a tenant, or rename / re-spread one. What is not given (None) keeps its stored value, so
+    re-running a set-up never undoes an operator's change (a new tenant gets '' and spread 1). A new
+    spread applies to runs submitted afterwards; it may not exceed any of the tenant's limits (each
+    of its lanes holds at least 1 of a limit)."""
     if not AGENT_ID.match(tenant_id):
         raise InvalidArgument(FieldViolation("tenant_id", "must match [a-z][a-z0-9-]{0,62}"))
-    if spread < 1:
+    if spread is not None and spread < 1:
         raise InvalidArgument(FieldViolation("spread", "must be at least 1"))
-    if bad := check_no_nul(display_name, "display_name"):
+    if display_name is not None and (bad := check_no_nul(display_name, "display_name")):
         raise InvalidArgument(bad)
-    if spread > 1 and (bad := limits_below_spread(replace(store.tenant_policy(tenant_id), spread=spread))):
+    if spread is not None and spread > 1 and (
+            bad := limits_below_spread(replace(store.tenant_policy(tenant_id), spread=spread))):
         raise InvalidArgument(bad)
-    store.ensure_tenant(tenant_id, display_name, spread)
+    previous = store.ensure_tenant(tenant_id, display_name, spread)
+    now = spread if spread is not None else previous if previous is not None else 1
+    return TenantChange(tenant_id, now, previous)
 
 
 def set_tenant_limits(store: PostgresStore, tenant_id: str, policy: TenantPolicy) -> None:
@@ -149,9 +173,10 @@ def bootstrap_demo(
 ) -> DemoSetup:
     """Tenant, a user key (member, admin) and an approver key (approver, member), the tools (a new
     version only if changed), a grant of every tool to every principal of the tenant, and the demo
-    agent. Safe to run again: given keys that already exist are kept, others are issued."""
+    agent. Safe to run again: given keys that already exist are kept, others are issued, and an
+    existing tenant keeps its spread."""
     changed: list[str] = []
-    create_tenant(store, tenant_id, display_name="Tether demo")
+    tenant = create_tenant(store, tenant_id, display_name="Tether demo")
 
     def ensure_key(given: str | None, who: str, roles: tuple[str, ...]) -> IssuedKey | None:
         if given is not None and store.principal_for(hash_api_key(given)) is not None:
@@ -181,4 +206,4 @@ def bootstrap_demo(
         stored = store.add_agent_version(tenant_id, agent.model_copy(update={"version": version}),
                                          "bootstrap-demo", now_ms, None).spec
         changed.append(f"agent {agent.agent_id} v{version}")
-    return DemoSetup(key=key, approver_key=approver, agent=stored, tools=registered, changed=changed)
+    return DemoSetup(key=key, approver_key=approver, agent=stored, tools=registered, changed=changed, tenant=tenant)

@@ -268,17 +268,22 @@ class PostgresStore:
     # -- administration (bootstrap, tests) ---------------------------------------------------
 
     @unavailable_as_error
-    def ensure_tenant(self, tenant_id: str, display_name: str = "", spread: int = 1) -> None:
-        """Create the tenant or update its name and spread."""
-        with self._pool.connection() as conn:
+    def ensure_tenant(self, tenant_id: str, display_name: str | None = None, spread: int | None = None) -> int | None:
+        """Create the tenant or update the name and spread given: None keeps the stored value (a new
+        tenant gets '' and 1). Returns the spread it had before, None if it is new."""
+        with self._pool.connection() as conn, conn.transaction():
+            row = conn.execute(self._q("SELECT spread FROM {s}.tenants WHERE tenant_id = %s FOR UPDATE"),
+                               (tenant_id,)).fetchone()
             conn.execute(
                 self._q(
-                    "INSERT INTO {s}.tenants (tenant_id, display_name, spread) VALUES (%s, %s, %s) "
-                    "ON CONFLICT (tenant_id) DO UPDATE SET display_name = EXCLUDED.display_name, "
-                    "spread = EXCLUDED.spread"
+                    "INSERT INTO {s}.tenants AS t (tenant_id, display_name, spread) "
+                    "VALUES (%s, coalesce(%s::text, ''), coalesce(%s::int, 1)) "
+                    "ON CONFLICT (tenant_id) DO UPDATE SET display_name = coalesce(%s::text, t.display_name), "
+                    "spread = coalesce(%s::int, t.spread)"
                 ),
-                (tenant_id, display_name, spread),
+                (tenant_id, display_name, spread, display_name, spread),
             )
+            return row["spread"] if row else None
 
     @unavailable_as_error
     def add_api_key(self, key_hash: str, tenant_id: str, principal_id: str, roles: Iterable[str],

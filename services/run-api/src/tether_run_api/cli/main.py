@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import grpc
 import typer
@@ -29,6 +29,9 @@ from tether_api.v1 import (
 from tether_run_api.cli import render
 from tether_run_api.cli.audit import audit_app
 from tether_run_api.cli.client import Client, CliError, CliSettings, connect, describe, reason
+
+if TYPE_CHECKING:
+    from tether_run_api.admin import TenantChange
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 approvals_app = typer.Typer(help="List, review and decide approvals.", no_args_is_help=True)
@@ -495,15 +498,34 @@ def _store():
 @admin_app.command("create-tenant")
 def admin_create_tenant(
     tenant_id: str,
-    display_name: Annotated[str, typer.Option(help="human-readable name")] = "",
-    spread: Annotated[int, typer.Option(help="partitions the tenant's runs spread over")] = 1,
+    display_name: Annotated[str | None, typer.Option(help="human-readable name (default: keep it)")] = None,
+    spread: Annotated[int | None, typer.Option(
+        help="partitions the tenant's runs spread over (default: keep it; 1 for a new tenant)")] = None,
 ) -> None:
-    """Create a tenant (or change its name / spread)."""
+    """Create a tenant (or change its name / spread; what is not given is kept)."""
     from tether_run_api import admin
 
     with _refusals():
-        admin.create_tenant(_store(), tenant_id, display_name=display_name, spread=spread)
-    render.console.print(f"tenant {tenant_id} (spread {spread})")
+        change = admin.create_tenant(_store(), tenant_id, display_name=display_name, spread=spread)
+    _print_tenant_change(change)
+
+
+def _print_tenant_change(change: TenantChange) -> None:
+    """One line (one JSON object with --json): whether the tenant is new and whether its spread moved."""
+    if _json():
+        render.print_line(json.dumps({"tenant_id": change.tenant_id, "created": change.created,
+                                      "spread": change.spread, "previous_spread": change.previous_spread}))
+    else:
+        render.print_line(_tenant_line(change))
+
+
+def _tenant_line(change: TenantChange) -> str:
+    if change.created:
+        return f"tenant {change.tenant_id} created (spread {change.spread})"
+    if change.spread_changed:
+        return (f"tenant {change.tenant_id}: spread {change.previous_spread} -> {change.spread} "
+                "(for runs submitted from now on)")
+    return f"tenant {change.tenant_id} (spread {change.spread})"
 
 
 @admin_app.command("tenant-limits")
@@ -587,6 +609,8 @@ def admin_bootstrap_demo(
                                  approver_key=approver_key)
     for change in setup.changed:
         render.err_console.print(f"  + {change}", markup=False)
+    if setup.tenant is not None:
+        render.err_console.print(_tenant_line(setup.tenant), markup=False)
     render.err_console.print(f"agent {setup.agent.agent_id} v{setup.agent.version} with tools "
                              f"{', '.join(t.name for t in setup.tools)}", markup=False)
     lines = []
