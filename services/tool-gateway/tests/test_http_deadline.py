@@ -9,12 +9,14 @@ import threading
 import time
 from collections.abc import Sequence
 
+import httpx
 import pytest
 
 from tether_contracts.records import RiskClass, ToolSpec
 from tether_tool_gateway.builtin_tools import http_get_spec, kv_get_spec, kv_put_spec
 from tether_tool_gateway.domain.errors import ToolError
-from tether_tool_gateway.executors.builtin import BuiltinExecutor
+from tether_tool_gateway.executors.builtin import BuiltinExecutor, _tls
+from tether_tool_gateway.executors.http_deadline import deadline_transport
 from tether_tool_gateway.executors.http_tool import HttpToolExecutor
 from tether_tool_gateway.ports import ExecutionRequest, MappingSecretProvider
 
@@ -197,3 +199,16 @@ def test_localhost_and_ip_literals_still_connect(serve, call, host):
     server = serve([(0.0, HEAD % 2 + b"{}")])
     executor, req = call(server.port, 5000, host=host)
     assert executor.execute(req, MappingSecretProvider())["status"] == 200
+
+
+def test_an_httpx_without_the_private_pool_fails_loudly_instead_of_dropping_the_deadline(monkeypatch):
+    # The deadline is installed through httpx.HTTPTransport's private `_pool`; an httpx that renames it
+    # must not get a transport without the deadline.
+    class RenamedPool(httpx.HTTPTransport):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._connection_pool = self.__dict__.pop("_pool")
+
+    monkeypatch.setattr(httpx, "HTTPTransport", RenamedPool)
+    with pytest.raises(RuntimeError, match="_pool"):
+        deadline_transport(_tls())

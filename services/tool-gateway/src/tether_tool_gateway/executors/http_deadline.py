@@ -187,6 +187,11 @@ def deadline_transport(ssl_context: ssl.SSLContext) -> httpx.HTTPTransport:
     transport = httpx.HTTPTransport(verify=ssl_context, trust_env=False, limits=_LIMITS)
     # httpx does not take a network backend yet (encode/httpx#3749), so its pool is built again,
     # as httpx builds it, with ours; test_http_deadline.py fails if this stops taking effect.
+    # `_pool` is private: if an httpx release renames it, assigning it would add an attribute nobody
+    # reads and every call would silently lose its deadline. Refuse to build the transport instead.
+    if not isinstance(getattr(transport, "_pool", None), httpcore.ConnectionPool):
+        raise RuntimeError(f"httpx {httpx.__version__}: HTTPTransport keeps no httpcore.ConnectionPool in `_pool`; "
+                           "the tool calls' deadline cannot be installed (executors/http_deadline.py)")
     transport._pool = httpcore.ConnectionPool(
         ssl_context=ssl_context, max_connections=_LIMITS.max_connections,
         max_keepalive_connections=_LIMITS.max_keepalive_connections, keepalive_expiry=_LIMITS.keepalive_expiry,
