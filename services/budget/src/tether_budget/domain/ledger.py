@@ -248,7 +248,7 @@ class Ledger(BaseModel):
     queued_submit: dict[str, Any] | None = Field(
         None, description="The SubmitRun datum of a queued run, to accept it when a slot frees."
     )
-    deferred_step: int | None = Field(None, description="Step whose grant waits for the tenant's token rate.")
+    deferred_step: int | None = Field(None, description="Step whose grant waits for the tenant's token rate or spend cap (StepDeferred says which).")
     rate_reserved: int = Field(0, description="Tokens the granted step reserved from the tenant's bucket.")
     spend_reserved: int = Field(0, description="µUSD the granted step reserved under the tenant's spend cap.")
 

@@ -29,7 +29,7 @@ def _pending(ledger: Ledger) -> list[str]:
     if ledger.queued:
         pending.append("the whole run (it was waiting in the tenant's queue; nothing ran)")
     if ledger.deferred_step is not None:
-        pending.append(f"model call for step {ledger.deferred_step} (its grant waited for the tenant's token rate)")
+        pending.append(f"model call for step {ledger.deferred_step} (its grant waited for the tenant's token rate or spend cap)")
     cur = ledger.current
     if cur is not None and not cur.model_done:
         pending.append(f"model call for step {cur.step}")
