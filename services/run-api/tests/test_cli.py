@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
+from datetime import UTC, datetime
 
 import grpc
 import pytest
@@ -17,7 +19,14 @@ from tether_run_api.api.servicers import Services
 from tether_run_api.cli import main as cli
 from tether_run_api.cli.client import CliError
 from tether_run_api.domain.admission import SubmitRateLimiter
-from tether_run_api.domain.auth import ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER, Principal, hash_api_key
+from tether_run_api.domain.auth import (
+    ROLE_ADMIN,
+    ROLE_APPROVER,
+    ROLE_MEMBER,
+    ApiKeyRecord,
+    Principal,
+    hash_api_key,
+)
 from tether_run_api.domain.catalog import AgentDraft, CapsDraft, CatalogLimits
 from tether_run_api.domain.views import ApprovalView, EventView, RunStatus, RunView
 from tether_run_api.testing import (
@@ -190,3 +199,53 @@ def test_follow_reconnects_from_the_next_seq_and_shows_each_event_once() -> None
     last = cli.follow(client, "R", 1, on_event=lambda e: seen.append(e.seq), sleep=lambda s: None)
     assert seen == [1, 2, 3, 4, 5, 6] and last.seq == 6
     assert client.runs.requests == [1, 3, 5]
+
+
+
+class _KeysStore:
+    """The store calls of revoke-key, over stored key hashes (tenant acme, principal alice)."""
+
+    def __init__(self, *key_hashes: str) -> None:
+        self.records = [ApiKeyRecord(h, "acme", "alice", ("member",), "", datetime.now(UTC), None) for h in key_hashes]
+
+    def api_keys(self, *, tenant_id: str | None = None, hash_prefix: str = "") -> list[ApiKeyRecord]:
+        return [r for r in self.records if r.key_hash.startswith(hash_prefix) and tenant_id in (None, r.tenant_id)]
+
+    def revoke_api_key(self, key_hash: str) -> bool:
+        [record] = [r for r in self.records if r.key_hash == key_hash]
+        if record.revoked_at is not None:
+            return False
+        self.records[self.records.index(record)] = replace(record, revoked_at=datetime.now(UTC))
+        return True
+
+
+def test_admin_revoke_key_takes_no_key_from_the_command_line_and_never_echoes_one(monkeypatch) -> None:
+    monkeypatch.setattr(cli, "_store", lambda: pytest.fail("refused before any store call"))
+    secret = "tk_" + "s" * 40
+    for args, stdin, says in (
+        (("admin", "revoke-key", secret), None, "takes no argument"),
+        (("admin", "revoke-key", "--key-file", "-"), f"export K={secret}\nnot a key {secret}\n", "line 2: not an"),
+        (("admin", "revoke-key"), None, "exactly one of --key-file"),
+    ):
+        result = invoke(*args, input=stdin)
+        assert isinstance(result.exception, CliError), result.output
+        assert result.exception.exit_code == cli.EXIT_INVALID_ARGUMENT and says in str(result.exception)
+        assert secret not in str(result.exception) and secret not in result.output
+
+
+def test_admin_revoke_key_by_id_needs_a_prefix_of_one_key(monkeypatch) -> None:
+    store = _KeysStore("abcdef00" + "1" * 56, "abcdef00" + "2" * 56)
+    monkeypatch.setattr(cli, "_store", lambda: store)
+    for key_id, says in (("abcdef0", "8-64 hex"), ("abcdef0z", "8-64 hex"), ("abcdef00", "2 keys start with")):
+        result = invoke("admin", "revoke-key", "--key-id", key_id)
+        assert isinstance(result.exception, CliError) and says in str(result.exception), result.output
+        assert result.exception.exit_code == cli.EXIT_INVALID_ARGUMENT
+    assert all(r.revoked_at is None for r in store.records)
+    first = invoke("--json", "admin", "revoke-key", "--key-id", "ABCDEF001")
+    assert first.exit_code == 0 and json.loads(first.stdout)["status"] == "revoked"
+    assert json.loads(first.stdout)["key_id"] == "abcdef001111"
+    again = invoke("admin", "revoke-key", "--key-id", "abcdef001111")
+    assert again.exit_code == 0 and "key abcdef001111 of alice in acme: already revoked at" in again.stdout
+    assert [r.revoked_at is None for r in store.records] == [False, True]
+    unknown = invoke("admin", "revoke-key", "--key-id", "abcdef001111", "--tenant", "other")
+    assert unknown.exit_code == cli.EXIT_NOT_FOUND and "key abcdef001111: not found" in unknown.stdout

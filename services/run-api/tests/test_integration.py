@@ -33,6 +33,7 @@ from tether_messaging.serde import decode_envelope, encode, fingerprint_hex, ope
 from tether_run_api import admin
 from tether_run_api.adapters.live import stream_key
 from tether_run_api.api.status import error_info
+from tether_run_api.cli.main import EXIT_NOT_FOUND
 from tether_run_api.domain.auth import ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER, hash_api_key
 from tether_run_api.domain.runs import new_run_id
 from tether_run_api.domain.views import Submission
@@ -114,6 +115,113 @@ def test_wrong_api_key_is_unauthenticated(stack) -> None:
     with pytest.raises(grpc.RpcError) as err:
         runs.ListRuns(runs_pb.ListRunsRequest(), metadata=md(key))
     assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED  # revoked (auth cache is off in tests)
+
+
+def admin_cli(stack, monkeypatch, *args: str, input: str | None = None):  # noqa: A002 (click's name)
+    """`tether [--json] admin ...` against this module's schema, as an operator runs it."""
+    from typer.testing import CliRunner
+
+    from tether_run_api.cli import main as cli
+
+    monkeypatch.setenv("TETHER_PG_DSN", stack.settings.pg_dsn)
+    monkeypatch.setenv("TETHER_RUN_API_PG_SCHEMA", stack.settings.pg_schema)
+    return CliRunner().invoke(cli.app, list(args), input=input)
+
+
+def test_a_key_revoked_with_the_cli_is_refused_once_the_auth_cache_has_passed(stack, monkeypatch) -> None:
+    tenant_id, key = with_demo(stack)
+    bob = admin.issue_key(stack.app.store, tenant_id, "bob", (ROLE_MEMBER,), label="bob's laptop")
+    monkeypatch.setattr(stack.app.services, "auth_cache_s", 0.5)  # as in production, lookups are cached
+    runs = runs_grpc.RunServiceStub(stack.channel)
+    run_id = runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="g"), metadata=md(key)).run_id
+    runs.GetRun(runs_pb.GetRunRequest(run_id=run_id), metadata=md(key))  # works, and is cached now
+
+    listed = admin_cli(stack, monkeypatch, "--json", "admin", "list-keys", tenant_id)
+    assert listed.exit_code == 0, listed.output
+    assert key not in listed.output and bob.api_key not in listed.output  # key ids only
+    ids = {k["principal_id"]: k["key_id"] for k in json.loads(listed.stdout)}
+    assert ids == {"alice": hash_api_key(key)[:12], "bob": bob.key_id}
+
+    # A leaked key is revoked as the operator has it: on stdin (here as the export line bootstrap-demo prints).
+    revoked = admin_cli(stack, monkeypatch, "admin", "revoke-key", "--key-file", "-",
+                        input=f"export TETHER_API_KEY={key}\n")
+    assert revoked.exit_code == 0, revoked.output
+    assert f"revoked key {ids['alice']} of alice in {tenant_id}" in revoked.stdout and key not in revoked.output
+    time.sleep(0.6)  # past the auth cache: the server looks the key up again
+    calls = [lambda: runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="g"), metadata=md(key)),
+             lambda: runs.GetRun(runs_pb.GetRunRequest(run_id=run_id), metadata=md(key))]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED and reason(err.value) == "UNAUTHENTICATED_API_KEY"
+
+    again = admin_cli(stack, monkeypatch, "admin", "revoke-key", "--key-file", "-", input=key)
+    assert again.exit_code == 0, again.output
+    assert f"key {ids['alice']} of alice in {tenant_id}: already revoked at " in again.stdout
+
+    # By key id (what list-keys shows), limited to the tenant; bob's key stops working too.
+    by_id = admin_cli(stack, monkeypatch, "--json", "admin", "revoke-key", "--key-id", bob.key_id,
+                      "--tenant", tenant_id)
+    assert by_id.exit_code == 0, by_id.output
+    result = json.loads(by_id.stdout)
+    assert (result["key_id"], result["status"], result["principal_id"], result["label"]) == \
+        (bob.key_id, "revoked", "bob", "bob's laptop") and result["revoked_at"]
+    with pytest.raises(grpc.RpcError) as err:
+        runs.ListRuns(runs_pb.ListRunsRequest(), metadata=md(bob.api_key))
+    assert reason(err.value) == "UNAUTHENTICATED_API_KEY"
+
+    # Not found: exit 3. Another tenant's key is left alone when --tenant names this one.
+    _, other_key = tenant(stack)
+    missing = admin_cli(stack, monkeypatch, "admin", "revoke-key", "--key-file", "-", "--tenant", tenant_id,
+                        input=other_key)
+    assert missing.exit_code == EXIT_NOT_FOUND and ": not found" in missing.stdout
+    assert other_key not in missing.output
+    assert runs.ListRuns(runs_pb.ListRunsRequest(), metadata=md(other_key)).runs == []
+    unknown = admin_cli(stack, monkeypatch, "admin", "revoke-key", "--key-id", "00000000000f")
+    assert unknown.exit_code == EXIT_NOT_FOUND and "key 00000000000f: not found" in unknown.stdout
+    listed = json.loads(admin_cli(stack, monkeypatch, "--json", "admin", "list-keys", tenant_id).stdout)
+    assert all(k["revoked_at"] for k in listed)
+
+
+def test_a_revoked_grant_is_left_out_of_new_runs_and_the_gateway_denies_the_tool(stack, monkeypatch) -> None:
+    from tether_tool_gateway.domain.canonical import sha256_hex
+    from tether_tool_gateway.domain.policy import CallDecisionInputs, Deny, TrustPolicy
+
+    tenant_id, key = with_demo(stack)  # lookup is granted to every principal ('*')
+    runs = runs_grpc.RunServiceStub(stack.channel)
+
+    def submit_and_decide() -> tuple[SubmitRun, object]:
+        run_id = runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="g"), metadata=md(key)).run_id
+        [msg] = records_for(stack, run_id, partition_for(tenant_id, run_id, stack.settings.partitions, 1), expect=1)
+        cmd = open_payload(decode_envelope(msg.value()))
+        args = '{"q": "1"}'
+        verdict = TrustPolicy().decide_call(CallDecisionInputs(
+            tool_name="lookup", args_json=args, args_hash=sha256_hex(args), tool=cmd.tools[0],
+            tenant_grants=cmd.tenant_grants, agent_allowlist=cmd.agent.tool_allowlist, recorded_at_ms=1,
+            tenant_id=tenant_id, agent_id="helper", principal_id="alice")).verdict
+        return cmd, verdict
+
+    granted = admin_cli(stack, monkeypatch, "admin", "grant", tenant_id, "lookup", "--principal", "alice")
+    assert granted.exit_code == 0, granted.output
+    own = admin_cli(stack, monkeypatch, "admin", "revoke-grant", tenant_id, "lookup", "--principal", "alice")
+    assert own.exit_code == 0, own.output
+    assert f"revoked grant of lookup to alice in {tenant_id}; still granted to every principal ('*')" in own.stdout
+    cmd, verdict = submit_and_decide()
+    assert cmd.tenant_grants == ["lookup"]
+    assert not (isinstance(verdict, Deny) and verdict.reason_code == "TOOL_NOT_ALLOWED"), verdict
+
+    everyone = admin_cli(stack, monkeypatch, "--json", "admin", "revoke-grant", tenant_id, "lookup")
+    assert everyone.exit_code == 0, everyone.output
+    assert json.loads(everyone.stdout) == {"tenant_id": tenant_id, "principal_id": "*", "tool_name": "lookup",
+                                           "status": "revoked", "still_granted": False}
+    cmd, verdict = submit_and_decide()
+    assert cmd.tenant_grants == [] and [t.name for t in cmd.tools] == ["lookup"]  # offered by the agent, not granted
+    assert isinstance(verdict, Deny) and verdict.reason_code == "TOOL_NOT_ALLOWED"
+    assert "not granted to this principal" in verdict.detail
+
+    again = admin_cli(stack, monkeypatch, "admin", "revoke-grant", tenant_id, "lookup")
+    assert again.exit_code == EXIT_NOT_FOUND
+    assert f"grant of lookup to every principal ('*') in {tenant_id}: not found" in again.stdout
 
 
 def test_submit_produces_the_command_and_is_idempotent(stack) -> None:
@@ -488,6 +596,13 @@ def test_bootstrap_demo_is_repeatable_and_its_keys_work(stack, monkeypatch, tmp_
         agents_grpc.AgentServiceStub(stack.channel).CreateAgent(
             agents_pb.CreateAgentRequest(agent=agents_pb.Agent(agent_id="x")), metadata=md(approver))
     assert reason(err.value) == "MISSING_ROLE"
+
+    # The env file it wrote is what revoke-key reads; a revoked key is not taken back by a re-run.
+    revoked = CliRunner().invoke(cli.app, ["admin", "revoke-key", "--key-file", str(env_file)])
+    assert revoked.exit_code == 0 and revoked.stdout.count("revoked key ") == 2, revoked.output
+    rerun = CliRunner().invoke(cli.app, ["admin", "bootstrap-demo", "--tenant", tenant_id, "--api-key", user])
+    assert rerun.exception.exit_code == cli.EXIT_INVALID_ARGUMENT and "was revoked" in str(rerun.exception)
+    assert user not in str(rerun.exception)
 
 
 def test_queries_map_the_projectors_rows(stack) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -12,8 +13,11 @@ from tether_run_api.domain.auth import (
     ROLE_ADMIN,
     ROLE_APPROVER,
     ROLE_MEMBER,
+    ApiKeyRecord,
     generate_api_key,
     hash_api_key,
+    key_id,
+    looks_like_api_key,
 )
 from tether_run_api.domain.catalog import AGENT_ID, TOOL_NAME
 from tether_run_api.domain.errors import FieldViolation, InvalidArgument
@@ -29,6 +33,15 @@ DEMO_INSTRUCTIONS = (
 )
 
 
+#: Outcomes of a revocation (revoke-key, revoke-grant).
+REVOKED = "revoked"
+ALREADY_REVOKED = "already_revoked"
+NOT_FOUND = "not_found"
+
+_KEY_ID = re.compile(r"[0-9a-f]{8,64}")
+_ENV_LINE = re.compile(r"(?:export\s+)?[A-Za-z_][A-Za-z0-9_]*=(.*)")
+
+
 @dataclass(frozen=True)
 class IssuedKey:
     """A new API key: the plaintext is shown once; only its hash is stored."""
@@ -37,6 +50,31 @@ class IssuedKey:
     tenant_id: str
     principal_id: str
     roles: tuple[str, ...]
+
+    @property
+    def key_id(self) -> str:
+        return key_id(hash_api_key(self.api_key))
+
+
+@dataclass(frozen=True)
+class KeyRevocation:
+    """What revoking one key did, naming the key by its key id (never by the key)."""
+
+    key_id: str
+    outcome: str  # REVOKED, ALREADY_REVOKED or NOT_FOUND
+    key: ApiKeyRecord | None = None  # as stored afterwards; None when not found
+
+
+@dataclass(frozen=True)
+class GrantRevocation:
+    """What revoking one grant did. `still_granted` is set when the principal keeps the tool through
+    the tenant-wide grant '*' (revoking the principal's own grant then changes nothing for it)."""
+
+    tenant_id: str
+    principal_id: str
+    tool_name: str
+    outcome: str  # REVOKED or NOT_FOUND
+    still_granted: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,6 +177,80 @@ def grant_tools(store: PostgresStore, tenant_id: str, principal_id: str, tool_na
     store.grant(tenant_id, principal_id, tool_names)
 
 
+def list_keys(store: PostgresStore, tenant_id: str, principal_id: str | None = None) -> list[ApiKeyRecord]:
+    """A tenant's keys, revoked ones too (key ids and hashes only: no key is stored)."""
+    if nul := check_no_nul(tenant_id, "tenant_id") + check_no_nul(principal_id or "", "principal_id"):
+        raise InvalidArgument(nul)
+    return [k for k in store.api_keys(tenant_id=tenant_id) if principal_id in (None, k.principal_id)]
+
+
+def api_keys_in(text: str) -> list[str]:
+    """The API keys in a file or on stdin: one a line, bare or as `NAME=key` / `export NAME=key` (what
+    bootstrap-demo prints and writes); blank lines and # comments are skipped. A line without a key is
+    refused by its number, never echoed."""
+    keys, bad = [], []
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if (m := _ENV_LINE.fullmatch(line)) is not None:
+            line = m.group(1).strip().strip("'\"")
+        if looks_like_api_key(line):
+            keys.append(line)
+        else:
+            bad.append(str(number))
+    if bad:
+        raise InvalidArgument(FieldViolation("api_key", f"line {', '.join(bad)}: not an API key (tk_...)"))
+    if not keys:
+        raise InvalidArgument(FieldViolation("api_key", "no API key given (one a line)"))
+    return list(dict.fromkeys(keys))
+
+
+def revoke_keys(store: PostgresStore, api_keys: Sequence[str], *, tenant_id: str | None = None) -> list[KeyRevocation]:
+    """Revoke keys given in plaintext (a leaked key: the operator has it, maybe nothing else). With
+    `tenant_id`, a key of another tenant is left alone and reads as not found. Idempotent."""
+    return [_revoke(store, hash_api_key(k), tenant_id) for k in api_keys]
+
+
+def revoke_key_by_id(store: PostgresStore, key_id: str, *, tenant_id: str | None = None) -> KeyRevocation:
+    """Revoke the key whose key id (or a longer start of its hash, at least 8 hex characters) is given.
+    Idempotent; refused when the prefix names more than one key."""
+    key_id = key_id.strip().lower()
+    if not _KEY_ID.fullmatch(key_id):
+        raise InvalidArgument(FieldViolation("key_id", "must be 8-64 hex characters (the key id list-keys shows)"))
+    matches = store.api_keys(tenant_id=tenant_id, hash_prefix=key_id)
+    if len(matches) > 1:
+        raise InvalidArgument(FieldViolation("key_id", f"{len(matches)} keys start with {key_id}: give more of it"))
+    if not matches:
+        return KeyRevocation(key_id, NOT_FOUND)
+    return _revoke(store, matches[0].key_hash, tenant_id)
+
+
+def _revoke(store: PostgresStore, key_hash: str, tenant_id: str | None) -> KeyRevocation:
+    [found] = store.api_keys(tenant_id=tenant_id, hash_prefix=key_hash) or [None]
+    if found is None:
+        return KeyRevocation(key_id(key_hash), NOT_FOUND)
+    outcome = REVOKED if store.revoke_api_key(key_hash) else ALREADY_REVOKED
+    [after] = store.api_keys(tenant_id=tenant_id, hash_prefix=key_hash)
+    return KeyRevocation(after.key_id, outcome, after)
+
+
+def revoke_grants(store: PostgresStore, tenant_id: str, principal_id: str,
+                  tool_names: Sequence[str]) -> list[GrantRevocation]:
+    """Revoke grants given by `grant_tools` (the same arguments). New runs are submitted without the
+    tool; runs already submitted keep the grants they started with. Idempotent: a grant that is not
+    there reads as not found."""
+    bad = [n for n in tool_names if not TOOL_NAME.match(n)]
+    if bad:
+        raise InvalidArgument(FieldViolation("tool_names", f"not tool names: {', '.join(bad)}"))
+    if nul := check_no_nul(tenant_id, "tenant_id") + check_no_nul(principal_id, "principal_id"):
+        raise InvalidArgument(nul)
+    outcomes = [(name, store.revoke_grant(tenant_id, principal_id, name)) for name in tool_names]
+    remaining = set(store.grants_for(tenant_id, principal_id)) if principal_id != ALL_PRINCIPALS else set()
+    return [GrantRevocation(tenant_id, principal_id, name, REVOKED if done else NOT_FOUND, name in remaining)
+            for name, done in outcomes]
+
+
 def demo_agent_spec(model_provider: str, model_name: str, tool_names: Sequence[str],
                     context_window_tokens: int = 128_000) -> AgentSpec:
     """The built-in demo agent (version numbering is the store's)."""
@@ -179,10 +291,14 @@ def bootstrap_demo(
     tenant = create_tenant(store, tenant_id, display_name="Tether demo")
 
     def ensure_key(given: str | None, who: str, roles: tuple[str, ...]) -> IssuedKey | None:
-        if given is not None and store.principal_for(hash_api_key(given)) is not None:
+        if given is not None and (stored := store.api_keys(hash_prefix=hash_api_key(given))):
+            if stored[0].revoked_at is not None:
+                raise InvalidArgument(FieldViolation(
+                    "api_key", f"key {stored[0].key_id} was revoked: give another key, or none for a new one"))
             return None  # the operator's chosen key is already set up
-        changed.append(f"api key for {who}")
-        return issue_key(store, tenant_id, who, roles, label="bootstrap-demo", api_key=given)
+        issued = issue_key(store, tenant_id, who, roles, label="bootstrap-demo", api_key=given)
+        changed.append(f"api key {issued.key_id} for {who}")
+        return issued
 
     key = ensure_key(api_key, principal_id, (ROLE_ADMIN, ROLE_MEMBER))
     approver = ensure_key(approver_key, approver_id, (ROLE_APPROVER, ROLE_MEMBER))

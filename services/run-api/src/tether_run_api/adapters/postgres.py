@@ -12,7 +12,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from tether_contracts.records import AgentSpec, Caps, ModelRef, RiskClass, ToolSpec
-from tether_run_api.domain.auth import Principal
+from tether_run_api.domain.auth import ApiKeyRecord, Principal
 from tether_run_api.domain.catalog import AgentVersion, ToolVersion
 from tether_run_api.domain.errors import (
     AgentAlreadyExists,
@@ -307,6 +307,19 @@ class PostgresStore:
                 (key_hash,),
             )
             return cur.rowcount == 1
+
+    @unavailable_as_error
+    def api_keys(self, *, tenant_id: str | None = None, hash_prefix: str = "") -> list[ApiKeyRecord]:
+        """Stored keys (hashes only), revoked ones too: of one tenant or of all, whose hash starts with
+        `hash_prefix` (hex, checked by the caller)."""
+        rows = self._all(
+            "SELECT key_hash, tenant_id, principal_id, roles, label, created_at, revoked_at FROM {s}.api_keys "
+            "WHERE (%s::text IS NULL OR tenant_id = %s) AND key_hash LIKE %s "
+            "ORDER BY tenant_id, principal_id, created_at, key_hash",
+            (tenant_id, tenant_id, hash_prefix + "%"),
+        )
+        return [ApiKeyRecord(r["key_hash"], r["tenant_id"], r["principal_id"], tuple(r["roles"]), r["label"],
+                             r["created_at"], r["revoked_at"]) for r in rows]
 
     @unavailable_as_error
     def grant(self, tenant_id: str, principal_id: str, tool_names: Iterable[str]) -> None:

@@ -31,7 +31,7 @@ from tether_run_api.cli.audit import audit_app
 from tether_run_api.cli.client import Client, CliError, CliSettings, connect, describe, reason
 
 if TYPE_CHECKING:
-    from tether_run_api.admin import TenantChange
+    from tether_run_api.admin import GrantRevocation, KeyRevocation, TenantChange
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 approvals_app = typer.Typer(help="List, review and decide approvals.", no_args_is_help=True)
@@ -47,6 +47,8 @@ app.add_typer(audit_app, name="audit")
 
 _STATE: dict[str, Any] = {}
 EXIT_NOT_COMPLETED = 2
+#: Exit code of revoke-key / revoke-grant when a key or grant to revoke is not there (the others are still done).
+EXIT_NOT_FOUND = 3
 #: Exit code when an admin command's arguments are refused (INVALID_ARGUMENT: the message names each field).
 EXIT_INVALID_ARGUMENT = 5
 _TERMINAL = {runs_pb.RUN_STATUS_COMPLETED, runs_pb.RUN_STATUS_TERMINATED, runs_pb.RUN_STATUS_REJECTED}
@@ -560,7 +562,85 @@ def admin_create_key(
     from tether_run_api import admin
 
     key = admin.issue_key(_store(), tenant_id, principal_id, role, label=label)
+    render.err_console.print(f"key id {key.key_id} (list-keys, revoke-key --key-id)", markup=False)
     render.print_line(key.api_key)
+
+
+@admin_app.command("list-keys")
+def admin_list_keys(
+    tenant_id: str,
+    principal_id: Annotated[str | None, typer.Option("--principal", help="only this principal's keys")] = None,
+) -> None:
+    """A tenant's API keys, revoked ones too: key id, principal, roles, label, dates (never a key)."""
+    from tether_run_api import admin
+
+    with _refusals():
+        keys = admin.list_keys(_store(), tenant_id, principal_id)
+    if _json():
+        render.print_line(json.dumps([_key_json(k) for k in keys], indent=2))
+    else:
+        render.console.print(render.keys_table(keys))
+
+
+def _key_json(key) -> dict[str, Any]:
+    return {"key_id": key.key_id, "tenant_id": key.tenant_id, "principal_id": key.principal_id,
+            "roles": list(key.roles), "label": key.label, "created_at": key.created_at.isoformat(),
+            "revoked_at": key.revoked_at.isoformat() if key.revoked_at else None}
+
+
+@admin_app.command("revoke-key")
+def admin_revoke_key(
+    key_file: Annotated[typer.FileText | None, typer.Option(
+        help="read the key(s) to revoke from this file, - = stdin: one a line, bare or NAME=key")] = None,
+    key_id: Annotated[str | None, typer.Option(help="the key id (create-key, list-keys) of the key to revoke")] = None,
+    tenant_id: Annotated[str | None, typer.Option("--tenant", help="leave keys of any other tenant alone")] = None,
+    stray: Annotated[list[str] | None, typer.Argument(hidden=True, show_default=False)] = None,
+) -> None:
+    """Revoke API keys, by the key itself (read from a file or stdin) or by key id. Idempotent.
+
+    A key is never taken from the command line (it would show in ps and the shell history), and
+    never printed: the output names it by key id. Prints one line per key (JSON with --json):
+    revoked, already revoked (exit 0) or not found (exit 3). A server may accept a revoked key for
+    up to its TETHER_RUN_API_AUTH_CACHE_S; runs already submitted with it go on.
+    """
+    from tether_run_api import admin
+
+    if stray:
+        raise CliError("revoke-key takes no argument: pass the key on stdin (--key-file -) or in a file, "
+                       "or name it with --key-id", exit_code=EXIT_INVALID_ARGUMENT)
+    if (key_file is None) == (key_id is None):
+        raise CliError("give exactly one of --key-file FILE (- = stdin) and --key-id ID",
+                       exit_code=EXIT_INVALID_ARGUMENT)
+    with _refusals():
+        if key_file is not None:
+            keys = admin.api_keys_in(key_file.read())
+            results = admin.revoke_keys(_store(), keys, tenant_id=tenant_id)
+        else:
+            results = [admin.revoke_key_by_id(_store(), key_id or "", tenant_id=tenant_id)]
+    for result in results:
+        render.print_line(json.dumps(_key_revocation_json(result)) if _json() else _key_revocation_line(result))
+    if any(r.outcome == admin.REVOKED for r in results) and not _json():
+        render.err_console.print("a server may still accept a revoked key for up to TETHER_RUN_API_AUTH_CACHE_S "
+                                 "(10 s by default); runs already submitted with it go on", markup=False)
+    if any(r.outcome == admin.NOT_FOUND for r in results):
+        raise typer.Exit(EXIT_NOT_FOUND)
+
+
+def _key_revocation_json(result: KeyRevocation) -> dict[str, Any]:
+    return {"key_id": result.key_id, "status": result.outcome,
+            **({k: v for k, v in _key_json(result.key).items() if k != "key_id"} if result.key else {})}
+
+
+def _key_revocation_line(result: KeyRevocation) -> str:
+    from tether_run_api.admin import REVOKED
+
+    key = result.key
+    if key is None:
+        return f"key {result.key_id}: not found"
+    whose = f"key {key.key_id} of {key.principal_id} in {key.tenant_id}"
+    if result.outcome == REVOKED:
+        return f"revoked {whose} (roles {','.join(key.roles)})"
+    return f"{whose}: already revoked at {key.revoked_at.isoformat() if key.revoked_at else '?'}"
 
 
 @admin_app.command("grant")
@@ -572,8 +652,46 @@ def admin_grant(
     """Grant tools to a principal (default: every principal of the tenant)."""
     from tether_run_api import admin
 
-    admin.grant_tools(_store(), tenant_id, principal_id, tools)
+    with _refusals():
+        admin.grant_tools(_store(), tenant_id, principal_id, tools)
     render.console.print(f"granted {', '.join(tools)} to {principal_id} in {tenant_id}")
+
+
+@admin_app.command("revoke-grant")
+def admin_revoke_grant(
+    tenant_id: str,
+    tools: Annotated[list[str], typer.Argument(help="tool names")],
+    principal_id: Annotated[str, typer.Option("--principal", help="'*' = the grant to every principal")] = "*",
+) -> None:
+    """Revoke grants made with `grant` (same arguments).
+
+    New runs are submitted without the tool; runs already submitted keep theirs. One line per tool
+    (JSON with --json): revoked, or not found (exit 3).
+    """
+    from tether_run_api import admin
+
+    with _refusals():
+        results = admin.revoke_grants(_store(), tenant_id, principal_id, tools)
+    for result in results:
+        if _json():
+            render.print_line(json.dumps({"tenant_id": result.tenant_id, "principal_id": result.principal_id,
+                                          "tool_name": result.tool_name, "status": result.outcome,
+                                          "still_granted": result.still_granted}))
+        else:
+            render.print_line(_grant_revocation_line(result))
+    if any(r.outcome == admin.NOT_FOUND for r in results):
+        raise typer.Exit(EXIT_NOT_FOUND)
+
+
+def _grant_revocation_line(result: GrantRevocation) -> str:
+    from tether_run_api.admin import REVOKED
+
+    who = "every principal ('*')" if result.principal_id == "*" else result.principal_id
+    line = (f"revoked grant of {result.tool_name} to {who} in {result.tenant_id}" if result.outcome == REVOKED
+            else f"grant of {result.tool_name} to {who} in {result.tenant_id}: not found")
+    if result.still_granted:
+        line += f"; still granted to every principal ('*'): revoke-grant {result.tenant_id} {result.tool_name}"
+    return line
 
 
 @admin_app.command("bootstrap-demo")
@@ -604,9 +722,10 @@ def admin_bootstrap_demo(
     tools = builtin_tool_specs(kv_url=kv_url, smtp_host=smtp_host, smtp_port=smtp_port, email_from=email_from,
                                http_allow_hosts=http_allow_host)
     agent = admin.demo_agent_spec(model_provider, model_name, [t.name for t in tools])
-    setup = admin.bootstrap_demo(_store(), tenant_id=tenant_id, principal_id=principal_id, approver_id=approver_id,
-                                 tools=tools, agent=agent, now_ms=time.time_ns() // 1_000_000, api_key=api_key,
-                                 approver_key=approver_key)
+    with _refusals():
+        setup = admin.bootstrap_demo(_store(), tenant_id=tenant_id, principal_id=principal_id,
+                                     approver_id=approver_id, tools=tools, agent=agent,
+                                     now_ms=time.time_ns() // 1_000_000, api_key=api_key, approver_key=approver_key)
     for change in setup.changed:
         render.err_console.print(f"  + {change}", markup=False)
     if setup.tenant is not None:

@@ -8,7 +8,8 @@ from datetime import UTC, datetime
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
+from rich.text import Text
 
 from tether_api.v1 import approval_service_pb2 as approvals_pb, run_service_pb2 as runs_pb, types_pb2 as types_pb
 
@@ -146,6 +147,17 @@ def tools_table(tools) -> Table:
     for t in tools:
         table.add_row(t.name, str(t.version), risk(t.risk_class), t.executor_kind, str(t.idempotent),
                       str(t.untrusted_source), str(t.egress), str(t.disabled))
+    return table
+
+
+def keys_table(keys) -> Table:
+    """API keys by key id (tether admin list-keys); there is no key to show, only its hash is stored."""
+    # The key id is what revoke-key --key-id takes: never wrapped or cut.
+    table = Table(Column("key id", no_wrap=True, min_width=12), "principal", "roles", "label", "created", "revoked")
+    for k in keys:
+        table.add_row(k.key_id, Text(k.principal_id), ", ".join(k.roles), Text(k.label),
+                      k.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                      k.revoked_at.strftime("%Y-%m-%d %H:%M:%S") if k.revoked_at else "-")
     return table
 
 

@@ -7,6 +7,7 @@ import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
 
 from tether_run_api.domain.errors import MissingRole, Unauthenticated
 
@@ -17,6 +18,8 @@ KNOWN_ROLES = frozenset({ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER})
 
 KEY_PREFIX = "tk_"
 _KEY_SHAPE = re.compile(r"^tk_[A-Za-z0-9_-]{20,200}\Z")
+#: Hex characters of a key's sha256 that name it (its key id): not a secret, and unique in practice.
+KEY_ID_CHARS = 12
 _BEARER = re.compile(r"^Bearer\s+(\S+)$", re.IGNORECASE)
 
 
@@ -50,6 +53,33 @@ def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def key_id(key_hash: str) -> str:
+    """The key id an operator sees (create-key, list-keys, revoke-key): the start of the key's hash."""
+    return key_hash[:KEY_ID_CHARS]
+
+
+def looks_like_api_key(text: str) -> bool:
+    """True if `text` has the shape of an API key (anything else is refused before any lookup)."""
+    return _KEY_SHAPE.match(text) is not None
+
+
+@dataclass(frozen=True)
+class ApiKeyRecord:
+    """A stored API key as an operator may see it: its hash, never the key."""
+
+    key_hash: str
+    tenant_id: str
+    principal_id: str
+    roles: tuple[str, ...]
+    label: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @property
+    def key_id(self) -> str:
+        return key_id(self.key_hash)
+
+
 def api_key_from_metadata(metadata: Iterable[tuple[str, str | bytes]]) -> str:
     """The key from `authorization: Bearer <key>` or `x-api-key: <key>`; raises Unauthenticated."""
     found: list[str] = []
@@ -69,6 +99,6 @@ def api_key_from_metadata(metadata: Iterable[tuple[str, str | bytes]]) -> str:
     if len(set(found)) > 1:
         raise Unauthenticated("conflicting API keys in metadata")
     key = found[0]
-    if not _KEY_SHAPE.match(key):
+    if not looks_like_api_key(key):
         raise Unauthenticated("invalid API key")
     return key
