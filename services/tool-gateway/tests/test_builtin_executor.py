@@ -161,6 +161,7 @@ def test_send_email_to_a_closed_port_is_a_tool_error():
     with pytest.raises(ToolError) as exc:
         run(send_email_spec("127.0.0.1", free_port(), "a@b.test"), {"to": "c@d.test", "subject": "s", "body": "b"})
     assert exc.value.code == "TOOL_ERROR" and not exc.value.retryable
+    assert not exc.value.effect_unknown  # nothing was sent
 
 
 class DrippingSmtpServer:
@@ -207,8 +208,58 @@ def test_send_email_to_a_server_that_never_finishes_its_greeting_times_out_at_th
                 {"to": "c@d.test", "subject": "s", "body": "b"})
         elapsed = time.monotonic() - started
         assert exc.value.code == "TIMEOUT" and not exc.value.retryable
+        assert not exc.value.effect_unknown  # cut during the greeting: no message can have been sent
         assert elapsed < 10  # near the 1 s deadline (loose: a loaded machine), not the server's 30 s
         assert server.closed.wait(5)  # the server sees the connection end: nothing is left talking to it
+    finally:
+        server.close()
+
+
+class SilentAfterDataSmtpServer:
+    """A loopback SMTP server that accepts every command, reads the message to its final '.', and then
+    never answers: the message may have been taken, the client cannot know."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.got_message = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="silent-smtp", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self._listener.accept()
+        with conn, conn.makefile("rb") as lines:
+            conn.sendall(b"220 silent ready\r\n")
+            for line in lines:
+                command = line.strip().upper()
+                if command.startswith((b"EHLO", b"HELO", b"MAIL", b"RCPT", b"RSET", b"NOOP")):
+                    conn.sendall(b"250 ok\r\n")
+                elif command == b"DATA":
+                    conn.sendall(b"354 go ahead\r\n")
+                    for body_line in lines:
+                        if body_line in (b".\r\n", b".\n"):
+                            break
+                    self.got_message.set()
+                    self._stop.wait(30)  # and no answer to the final '.'
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._listener.close()
+
+
+def test_send_email_cut_after_its_data_went_out_may_have_taken_effect():
+    # The server has the whole message and never confirms it: for a non-idempotent tool this is an
+    # unknown outcome (the gateway asks a human), not a failure the model would retry.
+    server = SilentAfterDataSmtpServer()
+    try:
+        with pytest.raises(ToolError) as exc:
+            run(send_email_spec("127.0.0.1", server.port, "a@b.test", timeout_ms=1000),
+                {"to": "c@d.test", "subject": "s", "body": "b"})
+        assert server.got_message.is_set()
+        assert exc.value.code == "TIMEOUT" and not exc.value.retryable and exc.value.effect_unknown
     finally:
         server.close()
 

@@ -243,6 +243,45 @@ def test_timeout_fails_the_call(make_harness, release):
     assert rec.late_resolution.status is ResolutionStatus.COMPLETED and rec.late_resolution.result_json == '{"late":true}'
 
 
+def test_a_non_idempotent_call_left_running_at_its_timeout_has_an_unknown_outcome(make_harness, release):
+    # The email may still go out (its thread cannot be killed): a failure would invite the model to
+    # send it again, so the run waits for a human, as after a crash mid-call.
+    gw = make_harness()
+    gw.tools = [t.model_copy(update={"timeout_ms": 50}) if t.name == "send_email" else t for t in gw.tools]
+    gw.executor.behaviour = lambda r: release.wait(30) and {"sent": True}
+    gw.accept()
+    call = gw.request("send_email", EMAIL_ARGS)
+    req = only(gw.budget(call), ApprovalRequested)
+    gw.decide(call, req.approval_id, ApprovalOutcome.APPROVED)
+    unknown = only(gw.driver.run_work(), ToolCallOutcomeUnknown)
+    assert unknown.idem_key == call.idem_key
+    assert "did not finish within 50 ms and was left running" in unknown.detail and "not idempotent" in unknown.detail
+    assert gw.ledger.get(call.idem_key).resolution.status is ResolutionStatus.OUTCOME_UNKNOWN
+    release.set()  # it did finish: kept for the human as the late resolution, the outcome stays unknown
+    for _ in range(500):
+        if gw.ledger.get(call.idem_key).late_resolution is not None:
+            break
+        time.sleep(0.01)
+    rec = gw.ledger.get(call.idem_key)
+    assert rec.resolution.status is ResolutionStatus.OUTCOME_UNKNOWN
+    assert rec.late_resolution.status is ResolutionStatus.COMPLETED
+
+
+@pytest.mark.parametrize("effect_unknown,expected", [(True, ToolCallOutcomeUnknown), (False, ToolCallFailed)])
+def test_a_non_idempotent_tools_error_is_unknown_only_when_its_request_may_have_taken_effect(gw, effect_unknown,
+                                                                                             expected):
+    def cut(r):
+        raise ToolError("TOOL_ERROR", "connection reset", retryable=False, effect_unknown=effect_unknown)
+
+    gw.executor.behaviour = cut
+    gw.accept()
+    call = gw.request("send_email", EMAIL_ARGS)
+    req = only(gw.budget(call), ApprovalRequested)
+    gw.decide(call, req.approval_id, ApprovalOutcome.APPROVED)
+    outcome = only(gw.driver.run_work(), expected)
+    assert "connection reset" in outcome.detail
+
+
 def test_unknown_executor_kind_fails(make_harness):
     gw = make_harness()
     gw.tools = [t.model_copy(update={"executor_kind": "mcp"}) if t.name == "kv_get" else t for t in gw.tools]

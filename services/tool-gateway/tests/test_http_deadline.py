@@ -126,6 +126,7 @@ def test_a_dripping_body_times_out_at_the_deadline(serve, call):
     executor, req = call(serve(DRIPPED_BODY).port, 500)
     error, elapsed = timed(executor, req)
     assert error.code == "TIMEOUT" and error.retryable
+    assert error.effect_unknown  # the request was sent: a non-idempotent call's outcome is unknown
     assert elapsed < 10  # near the 0.5 s deadline (loose: a loaded machine), not when the body was complete (30 s)
 
 
@@ -133,7 +134,7 @@ def test_a_dripping_body_times_out_at_the_deadline(serve, call):
 def test_dripping_headers_time_out_at_the_deadline(serve, call):
     executor, req = call(serve(DRIPPED_HEADERS).port, 1000)
     error, elapsed = timed(executor, req)
-    assert error.code == "TIMEOUT" and error.retryable
+    assert error.code == "TIMEOUT" and error.retryable and error.effect_unknown
     assert elapsed < 10  # near the 1 s deadline; the headers would have taken 30 s
 
 
@@ -144,7 +145,7 @@ def test_a_read_started_just_before_the_deadline_ends_at_the_deadline(serve, cal
     # (Wide margins both sides: on a loaded machine setting the call up can take a second or two.)
     executor, req = call(serve([(0.0, HEAD % 2), (5.8, b" "), (30.0, b" ")]).port, 6000)
     error, elapsed = timed(executor, req)
-    assert error.code == "TIMEOUT" and error.retryable
+    assert error.code == "TIMEOUT" and error.retryable and error.effect_unknown
     assert elapsed < 10.0
 
 
@@ -190,6 +191,7 @@ def test_a_host_name_lookup_that_never_answers_times_out_at_the_deadline(dns_han
     executor, req = call(9, 1000, host=HANGING_HOST)
     error, elapsed = timed(executor, req)
     assert error.code == "TIMEOUT" and error.retryable
+    assert not error.effect_unknown  # nothing was sent: a plain failure, whatever the tool
     assert elapsed < 10  # near the 1 s deadline (loose: a loaded machine), not the lookup's 30 s
 
 

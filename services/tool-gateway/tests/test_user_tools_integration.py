@@ -16,7 +16,7 @@ from tether_devservices.process import spawn
 from tether_messaging.blobstore import PostgresBlobStore
 from tether_security import Redactor, SecretRegistry, StaticSecretProvider
 from tether_tool_gateway.domain.canonical import canonical_json, idem_key_for, sha256_hex
-from tether_tool_gateway.execution import Completed, Failed, ToolRunner, tool_spec_json
+from tether_tool_gateway.execution import Completed, Failed, ToolRunner, Unknown, tool_spec_json
 from tether_tool_gateway.executors.http_tool import HttpToolExecutor
 from tether_tool_gateway.executors.mcp_tool import McpToolExecutor, list_mcp_tools, tool_specs_from_mcp
 from tether_tool_gateway.ledger import Intent, Owner
@@ -101,8 +101,13 @@ def test_args_are_posted_as_json_with_the_idempotency_key(env, http):
 # -- misbehaving tool servers ----------------------------------------------------------------------
 def test_a_slow_answer_is_a_timeout(env, http):
     _, outcome = env.run(http_tool(f"{http.url}/slow/30000", timeout_ms=1_500), {"q": "x"})
-    assert isinstance(outcome, Failed) and outcome.error_code == "TIMEOUT"
+    # The service got the request (recorded below) and never answered: for a non-idempotent tool the
+    # outcome is unknown (a human decides), not a failure the model would simply retry.
+    assert isinstance(outcome, Unknown) and outcome.detail.startswith("TIMEOUT:"), outcome
     assert len(http.records()) == 1  # not idempotent: tried once
+    _, outcome = env.run(http_tool(f"{http.url}/slow/30000", timeout_ms=1_500, idempotent=True), {"q": "y"},
+                         call_index=1)
+    assert isinstance(outcome, Failed) and outcome.error_code == "TIMEOUT" and outcome.retryable
 
 
 def test_garbage_is_an_invalid_result(env, http):

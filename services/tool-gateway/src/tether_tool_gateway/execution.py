@@ -142,6 +142,10 @@ def outcome_of(call: CallRef, resolution: Resolution, *, replayed: bool) -> Outc
     return Unknown(call, resolution.detail)
 
 
+def _unknown_detail(what: str) -> str:
+    return _short(f"{what}; the tool is not idempotent, so its effect may or may not have happened")
+
+
 def _short(text: str) -> str:
     """A failure detail fit for the ledger: at most _DETAIL_MAX characters, and storable as
     PostgreSQL text (no NUL; no lone surrogate, which UTF-8 cannot encode). Every detail that
@@ -317,9 +321,16 @@ class ToolRunner:
             remaining = deadline - self._monotonic()
             if remaining <= 0:
                 abandoned = not future.cancel()
-                resolution = Resolution(ResolutionStatus.FAILED, error_code="TIMEOUT",
-                                        detail=f"the tool did not finish within {tool.timeout_ms} ms",
-                                        retryable=tool.idempotent)
+                if abandoned and not tool.idempotent:
+                    # Still running, and nobody can say whether its effect has happened or will:
+                    # reporting a failure would invite the model to do it again.
+                    resolution = Resolution(ResolutionStatus.OUTCOME_UNKNOWN, detail=_unknown_detail(
+                        f"TIMEOUT: the tool did not finish within {tool.timeout_ms} ms and was left running"))
+                else:
+                    resolution = Resolution(ResolutionStatus.FAILED, error_code="TIMEOUT",
+                                            detail=f"the tool did not finish within {tool.timeout_ms} ms"
+                                            + ("" if abandoned else " (it never started)"),
+                                            retryable=tool.idempotent)
                 break
             try:
                 value = future.result(timeout=min(remaining, self._heartbeat_s))
@@ -329,8 +340,16 @@ class ToolRunner:
                     return Pending(CallRef.of(intent), "lease lost while executing")
                 continue
             except ToolError as exc:
-                resolution = Resolution(ResolutionStatus.FAILED, error_code=exc.code,
-                                        detail=_short(self._redactor.redact(exc.detail)), retryable=exc.retryable)
+                detail = _short(self._redactor.redact(exc.detail))
+                if exc.effect_unknown and not tool.idempotent:
+                    # The request may have reached the other side (an HTTP POST sent, an email's
+                    # DATA sent) with the answer lost: unknown, as after a crash mid-call; a human
+                    # decides, and the model is not told it failed (it would try again).
+                    resolution = Resolution(ResolutionStatus.OUTCOME_UNKNOWN, detail=_unknown_detail(
+                        f"{exc.code}: {detail}"))
+                else:
+                    resolution = Resolution(ResolutionStatus.FAILED, error_code=exc.code, detail=detail,
+                                            retryable=exc.retryable)
                 break
             except Exception as exc:  # an executor bug or an unexpected library error
                 detail = _short(self._redactor.redact(f"{type(exc).__name__}: {exc}"))

@@ -34,13 +34,22 @@ class ToolError(Exception):
 
     `code` is one of ToolCallFailed's codes: TIMEOUT, TOOL_ERROR, OVERSIZED_RESULT,
     INVALID_RESULT, EXECUTOR_UNAVAILABLE.
+
+    `effect_unknown`: the request may have reached the other side and taken effect, with the answer
+    lost (an HTTP request sent and the connection cut or timed out before the response; an email's
+    DATA sent and no reply). For a non-idempotent tool the gateway then records OUTCOME_UNKNOWN and
+    the run waits for a human, as after a crash mid-call, instead of telling the model it failed
+    (which invites it to do the thing again). Unset, it is true for TIMEOUT (an executor that gave
+    up at its deadline cannot in general say how far it got) and false otherwise; an executor that
+    knows better says so (a connect that timed out sent nothing).
     """
 
-    def __init__(self, code: str, detail: str, retryable: bool = False) -> None:
+    def __init__(self, code: str, detail: str, retryable: bool = False, *, effect_unknown: bool | None = None) -> None:
         super().__init__(f"{code}: {detail}")
         self.code = code
         self.detail = detail
         self.retryable = retryable
+        self.effect_unknown = code == "TIMEOUT" if effect_unknown is None else effect_unknown
 
 
 class EgressDenied(ToolError):

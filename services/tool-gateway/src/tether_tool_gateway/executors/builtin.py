@@ -94,10 +94,18 @@ def _timeout(request: ExecutionRequest) -> httpx.Timeout:
     return httpx.Timeout(request.timeout_s)
 
 
-def _transport_error(exc: httpx.HTTPError) -> ToolError:
-    if isinstance(exc, httpx.TimeoutException):
-        return ToolError("TIMEOUT", f"{type(exc).__name__}: {exc}", retryable=True)
-    return ToolError("TOOL_ERROR", f"{type(exc).__name__}: {exc}", retryable=True)
+#: httpx failures after the request may have left and before its answer came: it may have taken
+#: effect. The others (connect and pool timeouts, connect errors, a bad URL) come before anything is sent.
+ANSWER_LOST = (httpx.ReadTimeout, httpx.WriteTimeout, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+def http_transport_error(exc: httpx.HTTPError, what: str = "") -> ToolError:
+    """TIMEOUT or TOOL_ERROR (retryable) for an httpx failure, saying whether the request may have
+    taken effect (`ToolError.effect_unknown`: what makes a non-idempotent call's outcome unknown)."""
+    code = "TIMEOUT" if isinstance(exc, httpx.TimeoutException) else "TOOL_ERROR"
+    detail = what or f"{type(exc).__name__}: {exc}"
+    return ToolError(code, detail, retryable=True,
+                     effect_unknown=isinstance(exc, ANSWER_LOST))
 
 
 def _headers(config: dict[str, Any], secrets: SecretProvider) -> dict[str, str]:
@@ -158,7 +166,7 @@ def http_get(request: ExecutionRequest, config: dict[str, Any], secrets: SecretP
                     body, truncated = _read_capped(response, max_body, deadline)
                     return _page(url, response, body, truncated)
             except httpx.HTTPError as exc:
-                raise _transport_error(exc) from exc
+                raise http_transport_error(exc) from exc
     raise ToolError("TOOL_ERROR", f"more than {MAX_REDIRECTS} redirects")
 
 
@@ -225,7 +233,7 @@ def kv_put(request: ExecutionRequest, config: dict[str, Any], secrets: SecretPro
             response = _kv_client().put(_kv_url(config, key), json={"value": request.args["value"]},
                                         headers={"Idempotency-Key": request.idem_key}, timeout=_timeout(request))
     except httpx.HTTPError as exc:
-        raise _transport_error(exc) from exc
+        raise http_transport_error(exc) from exc
     if response.status_code != 200:
         raise _kv_error(response)
     body = _json_body(response)
@@ -241,7 +249,7 @@ def kv_get(request: ExecutionRequest, config: dict[str, Any], secrets: SecretPro
         with call_deadline(time.monotonic() + request.timeout_s):
             response = _kv_client().get(_kv_url(config, key), timeout=_timeout(request))
     except httpx.HTTPError as exc:
-        raise _transport_error(exc) from exc
+        raise http_transport_error(exc) from exc
     if response.status_code == 404:
         return {"key": key, "found": False}
     if response.status_code != 200:
@@ -272,6 +280,12 @@ class _DeadlineSMTP(smtplib.SMTP):
         self._timer = threading.Timer(max(deadline - time.monotonic(), 0.0), self._expire)
         self._timer.daemon = True
         self._timer.start()
+
+    data_sent = False  # whether DATA was issued: from then on the server may accept the message
+
+    def data(self, msg):  # type: ignore[no-untyped-def]  # smtplib's signature
+        self.data_sent = True
+        return super().data(msg)
 
     @property
     def expired(self) -> bool:
@@ -323,11 +337,15 @@ def send_email(request: ExecutionRequest, config: dict[str, Any], secrets: Secre
                 raise smtplib.SMTPConnectError(code, greeting)
             refused = smtp.send_message(msg)
     except (smtplib.SMTPException, OSError) as exc:  # TimeoutError and the SMTP errors are OSErrors
+        # Once DATA went out the server may have taken the message, unless it answered with an
+        # error (SMTPResponseException: a reply, so a definite refusal): a cut or silent connection
+        # then leaves the outcome unknown. Before DATA nothing can have been sent.
+        unknown = smtp.data_sent and not isinstance(exc, smtplib.SMTPResponseException)
         if smtp.expired or isinstance(exc, TimeoutError):
-            # Not retryable: the tool is not idempotent, and the server may have taken the message.
+            # Not retryable: the tool is not idempotent.
             raise ToolError("TIMEOUT", f"SMTP did not finish within the tool's {request.tool.timeout_ms} ms "
-                                       f"({type(exc).__name__}: {exc})") from exc
-        raise ToolError("TOOL_ERROR", f"SMTP failed: {type(exc).__name__}: {exc}") from exc
+                                       f"({type(exc).__name__}: {exc})", effect_unknown=unknown) from exc
+        raise ToolError("TOOL_ERROR", f"SMTP failed: {type(exc).__name__}: {exc}", effect_unknown=unknown) from exc
     finally:
         smtp.disarm()
     if refused:

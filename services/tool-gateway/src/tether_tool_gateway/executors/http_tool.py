@@ -24,7 +24,7 @@ import httpx
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential_jitter
 
 from tether_tool_gateway.domain.errors import EgressDenied, InvalidToolResult, ToolError
-from tether_tool_gateway.executors.builtin import _config, _headers, _tls, body_chunks
+from tether_tool_gateway.executors.builtin import _config, _headers, _tls, body_chunks, http_transport_error
 from tether_tool_gateway.executors.http_deadline import call_deadline, deadline_transport
 from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
 
@@ -148,11 +148,9 @@ class HttpToolExecutor:
                     data = _read_capped(response, cap, deadline)
                     status = response.status_code
         except httpx.TimeoutException as exc:
-            raise ToolError("TIMEOUT", f"the tool service did not answer in time ({type(exc).__name__})",
-                            retryable=True) from exc
+            raise http_transport_error(exc, f"the tool service did not answer in time ({type(exc).__name__})") from exc
         except httpx.HTTPError as exc:
-            raise ToolError("TOOL_ERROR", f"could not reach the tool service: {type(exc).__name__}: {exc}",
-                            retryable=True) from exc
+            raise http_transport_error(exc, f"could not reach the tool service: {type(exc).__name__}: {exc}") from exc
         if not 200 <= status < 300:
             raise ToolError("TOOL_ERROR", f"the tool service answered HTTP {status}: {_short_body(data)}",
                             retryable=status >= 500 or status == 429)
