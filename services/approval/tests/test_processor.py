@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tether_approval.domain.decisions import ApprovalPolicy, unknown_outcome_approval_id
 from tether_approval.domain.state import Notification
 from tether_approval.handlers import decided_event_id
@@ -217,6 +219,57 @@ def test_state_dropped_when_the_run_is_terminated(h):
     assert h.state() is None
     h.driver.now_ms += 10
     assert h.driver.tick() == []  # nothing expires for an ended run
+
+
+@pytest.mark.parametrize("end", ["completed", "terminated"])
+def test_a_request_redelivered_after_the_run_ended_changes_nothing(make_harness, end):
+    # The request's webhook is still running (its input held) when the approver decides and the
+    # run ends; the end is committed, then the process dies (or hands over while the webhook
+    # retries past revoke_drain_ms) before the webhook is delivered: the loop re-delivers only
+    # the held request, against no state.
+    h = make_harness(webhook=True)
+    request = h.approval_request(expires_in_ms=60_000)
+    h.event(request, what=("approval", "apr_1"))
+    assert list(h.driver.pending) == ["notify:apr_1"]
+    assert only_decision(h.decide()).outcome is ApprovalOutcome.APPROVED
+    h.event(_run_end(end), what=end)
+    assert h.state() is None
+    h.driver.pending.clear()
+    assert h.event(request, what=("approval", "apr_1")) == []
+    assert h.driver.pending == {}  # no webhook for an ended run
+    assert h.state() is None
+    h.driver.now_ms += 3_600_000  # long past the approval's expiry
+    assert h.driver.tick() == []  # nothing to expire
+    assert h.state() is None and h.notifier.sent == [] and h.decisions("EXPIRED") == 0
+
+
+def test_a_request_redelivered_after_the_run_ended_leaves_a_late_decision_to_its_ttl(make_harness):
+    # Same, with a (late, duplicate) decision read after the run's end: kept as an early decision
+    # in a state that never saw RunAccepted. The re-delivered request must not revive the run there.
+    h = make_harness(ApprovalPolicy(early_decision_ttl_ms=10_000), webhook=True)
+    request = h.approval_request(expires_in_ms=60_000)
+    h.event(request, what=("approval", "apr_1"))
+    only_decision(h.decide())
+    h.event(_run_end("completed"), what="completed")
+    assert h.decide(approver="carol") == []
+    assert list(h.state().early) == ["apr_1"]
+    h.driver.pending.clear()
+    assert h.event(request, what=("approval", "apr_1")) == []
+    assert h.driver.pending == {} and h.state().approvals == {}
+    h.driver.now_ms += 10_001
+    assert h.driver.tick() == []
+    assert h.refusals("APPROVAL_NOT_FOUND") == 1  # the late decision, refused after its TTL
+    h.driver.now_ms += 3_600_000
+    assert h.driver.tick() == []
+    assert h.state() is None and h.notifier.sent == [] and h.decisions("EXPIRED") == 0
+
+
+def _run_end(end: str):
+    if end == "completed":
+        return RunCompleted(step=2, answer="done", usage=Usage())
+    report = TerminationReport(reason_code="CANCELLED", detail="", steps_done=1, tool_calls_done=[],
+                               pending=[], usage=Usage())
+    return RunTerminated(reason_code="CANCELLED", report=report)
 
 
 def test_other_records_are_ignored(h):

@@ -220,7 +220,17 @@ def on_outcome_unknown(event: ToolCallOutcomeUnknown, msg: Inbound, ctx: Context
 
 def on_approval_requested(event: ApprovalRequested, msg: Inbound, ctx: Context, *, deps: Deps) -> None:
     """Park the call: a pending approval, the approvers told, a decision that came early applied."""
-    run = _load_or_new(ctx, msg.envelope.run_id, msg.envelope.tenant_id)
+    run = _load(ctx, msg.envelope.run_id)
+    if run is None or not run.accepted:
+        # RunAccepted precedes every ApprovalRequested on the run's log partition and its state
+        # lives until RunCompleted/RunTerminated drops it, so a request finding no accepted state
+        # is for a run that has ended: the held input of its webhook, re-delivered after the end
+        # was committed (a crash, or a hand-over while the webhook still retried). Folding it
+        # would revive the run here: pending again, the webhook re-sent, EXPIRED emitted, and a
+        # state that no run end would drop. (A state without RunAccepted holds only decisions
+        # read after the end or before the start; their TTL refuses and drops them.)
+        log.info("approval_request_after_run_end", run_id=msg.envelope.run_id, approval_id=event.approval_id)
+        return
     approval = record_request(run, event, event_id=msg.envelope.event_id, notify=deps.notifier is not None)
     if approval is None:
         known = run.approvals[event.approval_id]

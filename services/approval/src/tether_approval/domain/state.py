@@ -90,5 +90,11 @@ class RunApprovals(BaseModel):
     approvals: dict[str, Approval] = Field(default_factory=dict)
     early: dict[str, EarlyDecision] = Field(default_factory=dict)
 
+    @property
+    def accepted(self) -> bool:
+        """RunAccepted was folded here (it names the submitter); a state begun by a decision read
+        before the run's start or after its end was not."""
+        return self.submitter_id is not None
+
     def pending(self) -> list[Approval]:
         return [a for a in self.approvals.values() if a.pending]
