@@ -48,6 +48,74 @@ def test_every_encoding_of_a_known_secret_is_redacted(redactor: Redactor, encode
     assert "[REDACTED:secret]" in out
 
 
+# Encoders that escape more than JSON requires (what a tool service may echo back in an error body).
+ESCAPABLE = "Zq9/xT4+mW2&pL<8v>B7'nK3=\"`Ω"
+
+
+def _hex_escapes(text: str, chars: str, upper: bool) -> str:
+    for ch in chars:
+        text = text.replace(ch, f"\\u{ord(ch):04X}" if upper else f"\\u{ord(ch):04x}")
+    return text
+
+
+def _go(v: str) -> str:  # encoding/json: & < > escaped, lower-case hex, non-ASCII raw
+    return _hex_escapes(json.dumps(v, ensure_ascii=False)[1:-1], "&<>", upper=False)
+
+
+def _gson(v: str) -> str:  # Gson's HTML-safe default: also = and '
+    return _hex_escapes(json.dumps(v, ensure_ascii=False)[1:-1], "&<>='", upper=False)
+
+
+def _php(v: str) -> str:  # json_encode's default: "/" as "\/", non-ASCII as lower-case \uXXXX
+    return json.dumps(v)[1:-1].replace("/", "\\/")
+
+
+def _php_hex(v: str) -> str:  # JSON_HEX_TAG|AMP|APOS|QUOT: those upper-case, non-ASCII still lower-case
+    return _hex_escapes(_php(v).replace('\\"', '"'), "&<>'\"", upper=True)
+
+
+def _dotnet(v: str) -> str:  # System.Text.Json's default encoder: upper-case hex, also + ` " and non-ASCII
+    text = re.sub(r"\\u([0-9a-f]{4})", lambda m: "\\u" + m.group(1).upper(), json.dumps(v)[1:-1])
+    return _hex_escapes(text.replace('\\"', '"'), "&<>'+`\"", upper=True)
+
+
+@pytest.mark.parametrize("encode", [_go, _gson, _php, _php_hex, _dotnet], ids=["go", "gson", "php", "php_hex", "dotnet"])
+def test_json_encoders_escaping_more_than_needed_do_not_hide_a_known_secret(encode) -> None:
+    r = Redactor(patterns=False, entropy=False)
+    assert r.add_secret(ESCAPABLE)
+    encoded = encode(ESCAPABLE)
+    assert encoded != json.dumps(ESCAPABLE)[1:-1] and encoded != ESCAPABLE
+    out = r.redact(f'{{"status": 401, "detail": "invalid key \\"{encoded}\\" for /v1/charges"}}')
+    assert out == '{"status": 401, "detail": "invalid key \\"[REDACTED:secret]\\" for /v1/charges"}'
+
+
+@pytest.mark.parametrize("char", list("/&<>'=+"))
+@pytest.mark.parametrize("upper", [False, True], ids=["lower", "upper"])
+def test_each_escaped_character_alone_is_still_the_secret(char: str, upper: bool) -> None:
+    secret = f"Ab3xK9{char}Qw7Zt2"
+    r = Redactor(patterns=False, entropy=False)
+    assert r.add_secret(secret)
+    escaped = "\\/" if char == "/" else f"\\u{ord(char):04X}" if upper else f"\\u{ord(char):04x}"
+    form = secret.replace(char, escaped)
+    assert r.redact(f"tool said: {form}, retrying") == "tool said: [REDACTED:secret], retrying"
+
+
+def test_a_401_echoing_the_header_with_escaped_slashes_is_redacted() -> None:
+    r = Redactor()
+    r.add_secret("Zq9/xT4+mW2pL8vB7nK3")
+    detail = 'HTTP 401: {"error": "invalid api key \\"Zq9\\/xT4+mW2pL8vB7nK3\\""}'
+    out = r.redact(detail)
+    assert "mW2pL8vB7nK3" not in out and "Zq9" not in out
+    assert out == 'HTTP 401: {"error": "invalid api key \\"[REDACTED:secret]\\""}'
+
+
+def test_escape_forms_are_bounded_and_only_for_values_that_need_them() -> None:
+    assert not any("\\" in f for f in derived_forms("Zq9xT4mW2pL8vB7nK3"))
+    assert {f for f in derived_forms("Zq9/xT4mW2pL8vB7nK3") if "\\" in f} == {"Zq9\\/xT4mW2pL8vB7nK3"}
+    # One form per encoder style and case, not one per subset of the escapable characters.
+    assert len({f for f in derived_forms("a&b<c>d'e=f+g/h") if "\\" in f}) <= 24
+
+
 @pytest.mark.parametrize("prefix_len", [0, 1, 2, 3, 4, 5])
 def test_secret_inside_longer_base64_is_redacted_at_every_alignment(redactor: Redactor, prefix_len: int) -> None:
     blob = b"x" * prefix_len + json.dumps({"auth": SECRET}).encode() + b" trailing bytes"

@@ -53,6 +53,47 @@ def _lower_percent(s: str) -> str:
     return re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), s)
 
 
+# Characters JSON encoders write as \u00XX although JSON does not require it, one set per encoder
+# style: Go's encoding/json (& < >) and Gson (also = '), both HTML-safe by default; PHP with
+# JSON_HEX_TAG|AMP|APOS|QUOT (& < > ' ", upper-case hex while its non-ASCII escapes are lower-case);
+# .NET System.Text.Json's default encoder (also + and `, upper-case hex); and all of them at once.
+# Each style in lower- and upper-case hex, with "/" as is and as "\/" (PHP's default), and with
+# non-ASCII characters raw or escaped in either case: one form per combination, never the power set
+# of the characters (at most 72, 24 for an ASCII value), and none for an ASCII value without any of
+# these characters.
+_JSON_ESCAPE_STYLES = ("&<>", "&<>='", "&<>'\"", "&<>'+`\"", "&<>'=+`\"")
+_JSON_ESCAPED_CHARS = frozenset("/" + "".join(_JSON_ESCAPE_STYLES))
+
+
+def _json_text(value: str, *, non_ascii: str, escape: str, upper: bool, slash: bool) -> str:
+    """`value` as the inside of a JSON string, the characters in `escape` written as \\u00XX.
+
+    `non_ascii` is "raw", "lower" or "upper": non-ASCII characters as is or as \\uXXXX escapes.
+    """
+    out = []
+    for ch in value:
+        if ch in escape:
+            out.append(f"\\u{ord(ch):04X}" if upper else f"\\u{ord(ch):04x}")
+        elif ch == "/" and slash:
+            out.append("\\/")
+        elif ch.isascii() or non_ascii == "raw":
+            out.append(json.dumps(ch, ensure_ascii=False)[1:-1])
+        else:
+            escaped = json.dumps(ch)[1:-1]  # \\uXXXX, a surrogate pair beyond the BMP
+            out.append(escaped.upper().replace("\\U", "\\u") if non_ascii == "upper" else escaped)
+    return "".join(out)
+
+
+def _json_escape_variants(value: str) -> set[str]:
+    """The JSON forms of `value` by encoders that escape more than JSON requires (none for most values)."""
+    ascii_value = value.isascii()
+    if ascii_value and _JSON_ESCAPED_CHARS.isdisjoint(value):
+        return set()
+    return {_json_text(value, non_ascii=non_ascii, escape=escape, upper=upper, slash=slash)
+            for non_ascii in (("raw",) if ascii_value else ("raw", "lower", "upper"))
+            for escape in ("", *_JSON_ESCAPE_STYLES) for upper in (False, True) for slash in (False, True)}
+
+
 def derived_forms(value: str) -> set[str]:
     """Every text form of `value` the redactor looks for: raw, JSON-escaped, URL-encoded, hex, base64."""
     raw = value.encode()
@@ -60,6 +101,7 @@ def derived_forms(value: str) -> set[str]:
         value,
         json.dumps(value)[1:-1],
         json.dumps(value, ensure_ascii=False)[1:-1],
+        *_json_escape_variants(value),
         quote(value, safe=""),
         quote(value),
         quote_plus(value, safe=""),
