@@ -185,6 +185,18 @@ def test_secret_shaped_strings_are_redacted_by_kind(text: str, kind: str) -> Non
     assert f"[REDACTED:{kind}]" in out, out
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    ("redis://:pw@host:6379/0", "redis://:[REDACTED:url_password]@host:6379/0"),
+    ("rediss://:pw@h", "rediss://:[REDACTED:url_password]@h"),
+    ("REDIS_URL=redis://:s3cr3tpw@cache.internal:6380/2 ok",
+     "REDIS_URL=redis://:[REDACTED:url_password]@cache.internal:6380/2 ok"),
+    ("postgresql://app:hunter2@db:5432/app", "postgresql://app:[REDACTED:url_password]@db:5432/app"),
+    ("amqp://guest:pa55w0rd@mq/vhost", "amqp://guest:[REDACTED:url_password]@mq/vhost"),
+])
+def test_url_passwords_are_redacted_with_or_without_a_user_name(text: str, expected: str) -> None:
+    assert Redactor(entropy=False).redact(text) == expected
+
+
 @pytest.mark.parametrize("text", [
     "event_id=9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
     "image@sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",

@@ -196,7 +196,7 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("sendgrid_key", re.compile(r"\bSG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}\b")),
     _Rule("twilio_key", re.compile(r"\bSK[0-9a-fA-F]{32}\b")),
     _Rule("api_key", re.compile(r"\bsk-(?:ant-|proj-)?[A-Za-z0-9_-]{20,}")),
-    _Rule("url_password", re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@'\"]+:(?P<v>[^\s@/'\"]+)@"), "v"),
+    _Rule("url_password", re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s:/@'\"]*:(?P<v>[^\s@/'\"]+)@"), "v"),
     _Rule("bearer_token", re.compile(r"(?i)\bbearer\s+(?P<v>[A-Za-z0-9\-._~+/]{8,}=*)"), "v"),
     _Rule("basic_auth",
           re.compile(r"(?i)\bauthorization[\"']?\s*[:=]\s*[\"']?basic\s+(?P<v>[A-Za-z0-9+/]{4,}=*)"), "v"),
