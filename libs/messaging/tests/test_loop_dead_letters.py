@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -17,6 +18,7 @@ from tether_messaging.loop import LoopConfig, ProcessorLoop
 from tether_messaging.processor import Context, Inbound, TickContext, WorkDone
 from tether_messaging.serde import decode_envelope, encode, open_payload
 from tether_messaging.topics import Topics
+from tether_runtime.logging import log_redactor
 
 PARTITIONS = 3
 POISON_STEP = 99
@@ -152,3 +154,65 @@ def test_bad_records_are_dead_lettered_with_reasons_and_later_records_still_flow
     committed = check.committed([TopicPartition(topics.commands, 1)], timeout=10)
     check.close()
     assert committed[0].offset == len(records)
+
+
+class Leaky:
+    """Raises on every input with a message that quotes a credential, as a failing client library may."""
+
+    state_codec = None
+
+    def __init__(self, topics: Topics, secret: str, token: str) -> None:
+        self.name = "leaky"
+        self.inputs = [topics.commands]
+        self.secret = secret
+        self.token = token
+
+    def handle(self, msg: Inbound, ctx: Context) -> None:
+        raise RuntimeError(f"upstream refused key={self.secret!r} (also tried {self.token}) for step {msg.payload.step}")
+
+    def on_work_done(self, done: WorkDone, ctx: Context) -> None:
+        raise AssertionError("no work is started")
+
+    def on_tick(self, ctx: TickContext) -> None:
+        pass
+
+
+@pytest.mark.integration
+def test_a_handler_error_quoting_a_secret_is_dead_lettered_with_the_secret_redacted(
+    kafka_bootstrap: str, topic_prefix: str
+) -> None:
+    topics = Topics(topic_prefix)
+    declare_topics(kafka_bootstrap, PARTITIONS, ["leaky"], prefix=topic_prefix)
+    secret = f"Dlq-Canary/{uuid.uuid4().hex[:12]}"
+    token = "ghp_" + "a1B2c3D4e5" * 3 + "a1B2c3"  # secret-shaped, never registered
+    assert log_redactor().add_secret(secret)  # as the gateway's SecretRegistry does when it resolves one
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    producer.produce(topics.commands, _valid(7), b"run-1", partition=0)
+    assert producer.flush(30) == 0
+
+    loop = ProcessorLoop(Leaky(topics, secret, token),
+                         LoopConfig(bootstrap=kafka_bootstrap, topics=topics, batch_max_ms=20))
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run(stop)
+        except BaseException as exc:  # surfaced below
+            failure.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        dead = _read_all(kafka_bootstrap, topics.dead_letters, expect=1)
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not failure, failure
+    assert len(dead) == 1
+    headers = dict(dead[0].headers())
+    assert headers["tether-dlq-reason"] == b"HANDLER_ERROR"
+    detail = headers["tether-dlq-detail"].decode()
+    assert secret not in detail and secret.split("/")[1] not in detail and token not in detail
+    assert detail == ("RuntimeError: upstream refused key='[REDACTED:secret]' "
+                      "(also tried [REDACTED:github_token]) for step 7")

@@ -78,6 +78,7 @@ from tether_messaging.registry import envelope_codec
 from tether_messaging.serde import SerdeError, open_payload
 from tether_messaging.statestore import StateStore
 from tether_messaging.topics import Topics
+from tether_runtime.logging import log_redactor
 from tether_runtime.settings import LoopServiceSettings
 
 log = structlog.get_logger("tether_messaging.loop")
@@ -1325,6 +1326,7 @@ class ProcessorLoop:
 
     # -- dead letters -----------------------------------------------------------------------
     def _dead_letter(self, batch: _Batch, m: Message, reason: str, detail: str) -> None:
+        detail = _redacted(detail)
         headers = list(m.headers() or []) + [
             (DLQ_REASON, reason.encode()),
             (DLQ_DETAIL, detail[:2000].encode()),
@@ -1341,6 +1343,7 @@ class ProcessorLoop:
                           partition=m.partition(), offset=m.offset())
 
     def _dead_letter_work(self, batch: _Batch, w: _Work, reason: str, detail: str) -> None:
+        detail = _redacted(detail)
         headers = [
             (DLQ_REASON, reason.encode()),
             (DLQ_DETAIL, detail[:2000].encode()),
@@ -1716,6 +1719,14 @@ class ProcessorLoop:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _redacted(detail: str) -> str:
+    """A dead letter's detail as the log line shows it: an exception's message may hold a secret.
+
+    Redacted whole, before any cut, so a secret at a cut point cannot leave its first part behind.
+    """
+    return log_redactor().redact(detail)
 
 
 def _origin_partition(origin: _Origin) -> int | None:
