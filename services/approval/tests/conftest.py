@@ -28,7 +28,7 @@ from tether_contracts.records import (
     ToolCallRequested,
     ToolSpec,
 )
-from tether_messaging.envelopes import derived_id
+from tether_messaging.envelopes import derived_id, make_envelope
 from tether_messaging.testing import Emitted, InMemoryDriver
 from tether_messaging.topics import Topics
 
@@ -130,13 +130,18 @@ class Harness:
 
     def decide(self, approve: bool = True, *, approval_id: str = "apr_1", approver: str = "bob",
                roles: tuple[str, ...] = ("approver",), args_hash: str = ARGS_HASH, call_id: str = "1.0",
-               tenant: str = "t1", run_id: str = "r1", comment: str = "") -> list[Emitted]:
+               tenant: str = "t1", run_id: str = "r1", comment: str = "",
+               recorded_at_ms: int | None = None) -> list[Emitted]:
+        """An approver's decision as run-api records it: at the driver's clock, or at `recorded_at_ms`
+        (a command recorded earlier and read only now, behind a backlog)."""
         cmd = DecideApproval(approval_id=approval_id, call_id=call_id, args_hash=args_hash, approver_id=approver,
                              approver_roles=list(roles), approve=approve, comment=comment)
         self._seq += 1
         self.last_command_id = derived_id(run_id, "DecideApproval", approval_id, approver, self._seq)
-        return self.driver.feed_payload(self.topics.commands, cmd, run_id=run_id, tenant_id=tenant,
-                                        event_id=self.last_command_id, producer="run-api")
+        envelope = make_envelope(cmd, run_id=run_id, tenant_id=tenant, event_id=self.last_command_id,
+                                 producer="run-api",
+                                 recorded_at_ms=self.driver.now_ms if recorded_at_ms is None else recorded_at_ms)
+        return self.driver.feed(self.topics.commands, envelope)
 
     # -- looking ----------------------------------------------------------------------------
     def state(self, run_id: str = "r1") -> RunApprovals | None:

@@ -145,6 +145,7 @@ def test_approval_service_on_the_real_broker(kafka_bootstrap: str, service_proce
         "TETHER_APPROVAL_BATCH_MAX_MS": "20",
         "TETHER_APPROVAL_SESSION_TIMEOUT_MS": "6000",
         "TETHER_APPROVAL_WEBHOOK_URL": hook_url,
+        "TETHER_APPROVAL_EXPIRY_GRACE_MS": "500",
     }
     intake = Intake(kafka_bootstrap, topics.run_intake)
     try:

@@ -90,10 +90,11 @@ def test_submitter_unknown_fails_closed_for_approvals_only():
 
 def test_expire_due_marks_and_decides_once():
     state = run()
-    assert expire_due(state, 1_000) == []
-    [expired] = expire_due(state, 1_001)
-    assert (expired.outcome, expired.approver_id, expired.decided_at_ms) == (ApprovalOutcome.EXPIRED, "system", 1_001)
-    assert expire_due(state, 2_000) == []
+    policy = ApprovalPolicy(expiry_grace_ms=500)
+    assert expire_due(state, 1_500, policy) == []  # still within the grace
+    [expired] = expire_due(state, 1_501, policy)
+    assert (expired.outcome, expired.approver_id, expired.decided_at_ms) == (ApprovalOutcome.EXPIRED, "system", 1_501)
+    assert expire_due(state, 2_000, policy) == []
     with pytest.raises(errors.ApprovalNotPending):
         decide(command(), state)
 

@@ -59,25 +59,51 @@ def test_reject(h):
 
 
 def test_expiry_on_tick(h):
+    grace = ApprovalPolicy().expiry_grace_ms
     h.requested(expires_in_ms=60_000)
     assert h.driver.tick() == []
-    h.driver.now_ms += 60_000
-    assert h.driver.tick() == []  # expiry is strictly after expires_at_ms, as the gateway reads it
+    h.driver.now_ms += 60_000 + grace
+    assert h.driver.tick() == []  # a decision made in time may still be unread (see below)
     h.driver.now_ms += 1
     decided = only_decision(h.driver.tick())
     assert (decided.outcome, decided.approver_id, decided.decided_at_ms) == (
-        ApprovalOutcome.EXPIRED, "system", h.T0 + 60_001)
+        ApprovalOutcome.EXPIRED, "system", h.T0 + 60_000 + grace + 1)
     assert h.driver.tick() == []  # expired once
     assert h.decide() == []  # too late, and logged as not pending
     assert h.refusals("APPROVAL_NOT_PENDING") == 1
     assert h.decisions("EXPIRED") == 1
 
 
-def test_decision_recorded_after_expiry_is_refused_even_before_the_tick(h):
+def test_a_decision_made_in_time_but_read_after_the_expiry_is_applied(h):
+    # After a (re)start the loop ticks before it has read the commands backlog, so a tick past
+    # the expiry can come before a decision run-api recorded in time (and answered APPROVED).
+    h.requested(expires_in_ms=60_000)
+    expires_at = h.T0 + 60_000
+    h.driver.now_ms = expires_at + 1
+    assert h.driver.tick() == []  # not yet: within the grace
+    decided = only_decision(h.decide(recorded_at_ms=expires_at - 100))
+    assert (decided.outcome, decided.decided_at_ms) == (ApprovalOutcome.APPROVED, expires_at - 100)
+    h.driver.now_ms = expires_at + ApprovalPolicy().expiry_grace_ms + 1
+    assert h.driver.tick() == []
+    assert h.decisions("EXPIRED") == 0 and h.refusals("APPROVAL_NOT_PENDING") == 0
+
+
+def test_the_expiry_grace_is_a_setting(make_harness):
+    h = make_harness(ApprovalPolicy(expiry_grace_ms=0))
+    h.requested(expires_in_ms=60_000)
+    h.driver.now_ms += 60_000
+    assert h.driver.tick() == []
+    h.driver.now_ms += 1
+    assert only_decision(h.driver.tick()).outcome is ApprovalOutcome.EXPIRED
+
+
+def test_decision_recorded_after_expiry_is_refused_even_within_the_grace(h):
     h.requested(expires_in_ms=1_000)
     h.driver.now_ms += 1_001
     assert h.decide() == []
     assert h.refusals("APPROVAL_EXPIRED") == 1
+    assert h.driver.tick() == []
+    h.driver.now_ms += ApprovalPolicy().expiry_grace_ms
     assert only_decision(h.driver.tick()).outcome is ApprovalOutcome.EXPIRED
 
 

@@ -38,6 +38,7 @@ def build_deps(settings: ApprovalSettings, *, registry: CollectorRegistry = REGI
             outcome_unknown_ttl_ms=settings.outcome_unknown_ttl_ms,
             max_early_decisions=settings.max_early_decisions,
             early_decision_ttl_ms=settings.early_decision_ttl_ms,
+            expiry_grace_ms=settings.expiry_grace_ms,
         ),
         metrics=ApprovalMetrics(registry),
         notifier=notifier,

@@ -321,7 +321,7 @@ def on_notification_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
 
 
 def _needs_tick(run: RunApprovals, now_ms: int, policy: ApprovalPolicy) -> bool:
-    return any(now_ms > a.expires_at_ms for a in run.pending()) or any(
+    return any(now_ms > a.expires_at_ms + policy.expiry_grace_ms for a in run.pending()) or any(
         now_ms - e.decided_at_ms > policy.early_decision_ttl_ms for e in run.early.values()
     )
 
@@ -331,7 +331,7 @@ def _empty(run: RunApprovals) -> bool:
 
 
 def expire_approvals(ctx: TickContext, *, deps: Deps) -> None:
-    """Every tick: EXPIRED for pending approvals past expires_at_ms (at ctx.now_ms), and refuse
+    """Every tick: EXPIRED for pending approvals past expires_at_ms and the grace (at ctx.now_ms), and refuse
     early decisions whose request never came (in the runs due by `domain.decisions.wake_at`)."""
     now_ms = ctx.now_ms
     for partition in ctx.owned_partitions():
@@ -341,7 +341,7 @@ def expire_approvals(ctx: TickContext, *, deps: Deps) -> None:
             if committed is None or not _needs_tick(committed, now_ms, deps.policy):
                 continue
             run = committed.model_copy(deep=True)
-            for decided in expire_due(run, now_ms):
+            for decided in expire_due(run, now_ms, deps.policy):
                 _emit_decision(decided, run, pctx, deps, cause=run.approvals[decided.approval_id].requested_event_id)
             for early in drop_stale_early(run, now_ms, deps.policy):
                 refusal = ApprovalNotFound(f"approval {early.command.approval_id} was never requested")

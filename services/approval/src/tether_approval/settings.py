@@ -43,6 +43,12 @@ class ApprovalSettings(LoopServiceSettings):
         DAY_MS, ge=1, description="How long a decision read before its ApprovalRequested waits for it."
     )
     max_early_decisions: int = Field(32, ge=0, description="Early decisions kept per run.")
+    expiry_grace_ms: int = Field(
+        30_000, ge=0,
+        description="How long past an approval's expiry the service waits before it emits EXPIRED, so a decision "
+        "recorded in time but read late (after a restart the service may tick before it has read the commands "
+        "backlog) still wins. A decision recorded after the expiry is refused either way.",
+    )
 
     # -- the approver webhook (best-effort) -----------------------------------------------------
     webhook_url: SecretStr | None = Field(

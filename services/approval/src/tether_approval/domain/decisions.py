@@ -51,6 +51,11 @@ class ApprovalPolicy:
     max_early_decisions: int = 32
     #: How long such an early decision waits for its request before it is refused.
     early_decision_ttl_ms: int = DAY_MS
+    #: How long past `expires_at_ms` expiry waits. A decision recorded in time can be read after
+    #: a tick past the expiry (after a restart the loop ticks before it has read the commands
+    #: backlog); run-api answered it APPROVED, so it must still win. Within the grace a pending
+    #: approval takes a decision recorded by `expires_at_ms`, and refuses a later one as before.
+    expiry_grace_ms: int = 30_000
 
 
 def canonical_json(value: Any) -> str:
@@ -173,11 +178,12 @@ def record_decided(run: RunApprovals, decided: ApprovalDecided) -> bool:
     return changed
 
 
-def expire_due(run: RunApprovals, now_ms: int) -> list[ApprovalDecided]:
-    """EXPIRED decisions for every pending approval past its expiry (marked decided)."""
+def expire_due(run: RunApprovals, now_ms: int, policy: ApprovalPolicy) -> list[ApprovalDecided]:
+    """EXPIRED decisions (at `now_ms`) for every pending approval past its expiry and the grace
+    (`ApprovalPolicy.expiry_grace_ms`), marked decided."""
     expired = []
     for approval in run.pending():
-        if now_ms > approval.expires_at_ms:
+        if now_ms > approval.expires_at_ms + policy.expiry_grace_ms:
             decided = ApprovalDecided(
                 approval_id=approval.approval_id,
                 call_id=approval.call_id,
@@ -223,7 +229,7 @@ def drop_stale_early(run: RunApprovals, now_ms: int, policy: ApprovalPolicy) -> 
 def wake_at(run: RunApprovals, policy: ApprovalPolicy) -> int | None:
     """The earliest clock value at which `expire_due` or `drop_stale_early` has something to do
     (both act strictly after their limit), or None: the loop's timer index for the run."""
-    times = [a.expires_at_ms + 1 for a in run.pending()]
+    times = [a.expires_at_ms + policy.expiry_grace_ms + 1 for a in run.pending()]
     times += [e.decided_at_ms + policy.early_decision_ttl_ms + 1 for e in run.early.values()]
     return min(times, default=None)
 
