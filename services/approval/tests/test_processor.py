@@ -224,7 +224,15 @@ def test_early_decisions_are_bounded(make_harness):
     for i in range(3):
         h.decide(approval_id=f"apr_{i}")
     assert len(h.state().early) == 2
-    assert h.refusals("APPROVAL_NOT_FOUND") == 1
+    assert (h.refusals("TOO_MANY_EARLY_DECISIONS"), h.refusals("APPROVAL_NOT_FOUND")) == (1, 0)
+
+
+def test_a_second_early_decision_for_the_same_approval_is_refused_as_such(h):
+    assert h.decide(approver="bob") == []
+    assert h.decide(approver="carol", approve=False) == []
+    assert (h.refusals("EARLY_DECISION_EXISTS"), h.refusals("APPROVAL_NOT_FOUND")) == (1, 0)
+    decided = only_decision(h.requested())  # the first one kept is the one applied
+    assert (decided.outcome, decided.approver_id) == (ApprovalOutcome.APPROVED, "bob")
 
 
 # -- the run's end ---------------------------------------------------------------------------------

@@ -283,14 +283,15 @@ def on_decide_approval(command: DecideApproval, msg: Inbound, ctx: Context, *, d
             _refused(refusal, command, run_id=run_id, tenant_id=tenant_id, event_id=event_id, deps=deps)
             return
         run = run or RunApprovals(run_id=run_id)
-        if park_early(run, command, tenant_id=tenant_id, decided_at_ms=decided_at_ms, event_id=event_id,
-                      policy=deps.policy):
-            deps.metrics.early_decisions.inc()
-            log.info("decision_parked", run_id=run_id, approval_id=command.approval_id, command_event_id=event_id)
-            ctx.put_state(run_id, run)
-        else:
-            refusal = ApprovalNotFound(f"approval {command.approval_id} is not known")
-            _refused(refusal, command, run_id=run_id, tenant_id=tenant_id, event_id=event_id, deps=deps)
+        try:
+            park_early(run, command, tenant_id=tenant_id, decided_at_ms=decided_at_ms, event_id=event_id,
+                       policy=deps.policy)
+        except DecisionRefused as refused:
+            _refused(refused, command, run_id=run_id, tenant_id=tenant_id, event_id=event_id, deps=deps)
+            return
+        deps.metrics.early_decisions.inc()
+        log.info("decision_parked", run_id=run_id, approval_id=command.approval_id, command_event_id=event_id)
+        ctx.put_state(run_id, run)
         return
     _decide(command, run, tenant_id=tenant_id, decided_at_ms=decided_at_ms, event_id=event_id, ctx=ctx, deps=deps)
     ctx.put_state(run_id, run)

@@ -13,10 +13,12 @@ from tether_approval.domain.errors import (
     ApprovalNotFound,
     ApprovalNotPending,
     CallMismatch,
+    EarlyDecisionExists,
     NotAnApprover,
     SelfApproval,
     StaleArgsHash,
     SubmitterUnknown,
+    TooManyEarlyDecisions,
     WrongTenant,
 )
 from tether_approval.domain.state import Approval, EarlyDecision, Notification, OpenCall, RunApprovals
@@ -204,14 +206,22 @@ def expire_due(run: RunApprovals, now_ms: int, policy: ApprovalPolicy) -> list[A
 def park_early(
     run: RunApprovals, command: DecideApproval, *, tenant_id: str, decided_at_ms: int, event_id: str,
     policy: ApprovalPolicy,
-) -> bool:
-    """Keep a decision for an approval not requested yet; False if it cannot be kept (already one, or full)."""
-    if command.approval_id in run.early or len(run.early) >= policy.max_early_decisions:
-        return False
+) -> None:
+    """Keep a decision for an approval not requested yet, or refuse it: one already waits for
+    that approval (`EarlyDecisionExists`), or the run keeps the most allowed (`TooManyEarlyDecisions`)."""
+    if command.approval_id in run.early:
+        raise EarlyDecisionExists(
+            f"a decision for approval {command.approval_id} already waits for its request",
+            approval_id=command.approval_id, waiting_event_id=run.early[command.approval_id].event_id,
+        )
+    if len(run.early) >= policy.max_early_decisions:
+        raise TooManyEarlyDecisions(
+            f"run {run.run_id} already keeps {len(run.early)} decisions waiting for their requests",
+            approval_id=command.approval_id, limit=policy.max_early_decisions,
+        )
     run.early[command.approval_id] = EarlyDecision(
         command=command, tenant_id=tenant_id, decided_at_ms=decided_at_ms, event_id=event_id
     )
-    return True
 
 
 def take_early(run: RunApprovals, approval_id: str) -> EarlyDecision | None:

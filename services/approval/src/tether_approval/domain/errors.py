@@ -20,6 +20,18 @@ class ApprovalNotFound(DecisionRefused):
     reason = "APPROVAL_NOT_FOUND"
 
 
+class EarlyDecisionExists(DecisionRefused):
+    """A decision for this approval already waits for its request (read first, so it wins)."""
+
+    reason = "EARLY_DECISION_EXISTS"
+
+
+class TooManyEarlyDecisions(DecisionRefused):
+    """The run already keeps as many decisions waiting for their requests as the policy allows."""
+
+    reason = "TOO_MANY_EARLY_DECISIONS"
+
+
 class WrongTenant(DecisionRefused):
     """The command's (authenticated) tenant is not the run's tenant."""
 
