@@ -163,6 +163,23 @@ def test_a_server_that_crashes_mid_call_is_a_tool_error_with_its_stderr(env, dem
     assert "crashing on purpose" in outcome.detail  # the tail of its stderr says why
 
 
+def test_a_secret_in_the_stderr_tail_is_redacted_before_the_tail_is_cut(env):
+    # A "server" holding the team's token in its environment writes it to stderr and exits before
+    # answering, 20 characters before where the old cut kept the last 600 of the tail: those 20
+    # characters of the token matched no redaction rule.
+    old_shown = 600
+    filler = "z" * (old_shown - 21)
+    script = f'printf "%s\\n" "starting" "token $DEMO_TOKEN {filler}" >&2; exit 3'
+    server = StdioServer(command=("/bin/sh", "-c", script), env={"DEMO_TOKEN": "secret://team/token"})
+    [spec] = tool_specs_from_mcp_stdio(server, [_declared("anything")], timeout_ms=CALL_TIMEOUT_MS)
+    outcome = env.run(spec, {})
+    assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR", outcome
+    assert not any(SECRET[i:i + 8] in outcome.detail for i in range(len(SECRET) - 7)), outcome.detail
+    assert "exited (exit code 3) before answering; stderr: " in outcome.detail, outcome.detail
+    assert "[REDACTED:" in outcome.detail and filler in outcome.detail
+    assert not any(SECRET[i:i + 8] in env.ledger_text() for i in range(len(SECRET) - 7))
+
+
 def test_garbage_on_stdout_is_an_invalid_result(env, demo):
     tool = stdio_tool(demo, "add", env={**demo.env, "DEMO_BANNER": "demo server 1.0 starting..."})
     outcome = env.run(tool, {"a": 1, "b": 2})

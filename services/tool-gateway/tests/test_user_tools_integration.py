@@ -7,9 +7,13 @@ The misbehaving tool server is the dev HTTP service (a separate process): /slow,
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import structlog
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError as McpToolError
 
 from tether_contracts.records import RiskClass, ToolSpec
 from tether_devservices.process import spawn
@@ -18,7 +22,7 @@ from tether_security import Redactor, SecretRegistry, StaticSecretProvider
 from tether_tool_gateway.domain.canonical import canonical_json, idem_key_for, sha256_hex
 from tether_tool_gateway.execution import Completed, Failed, ToolRunner, Unknown, tool_spec_json
 from tether_tool_gateway.executors.http_tool import HttpToolExecutor
-from tether_tool_gateway.executors.mcp_tool import McpToolExecutor, list_mcp_tools, tool_specs_from_mcp
+from tether_tool_gateway.executors.mcp_tool import McpTool, McpToolExecutor, list_mcp_tools, tool_specs_from_mcp
 from tether_tool_gateway.ledger import Intent, Owner
 from tether_tool_gateway.ledger.postgres import PostgresLedger
 from tether_tool_gateway.mcp_testing import start_mcp_server
@@ -174,6 +178,55 @@ def test_a_secret_header_reaches_the_service_and_nothing_else(env, http, capsys)
     assert SECRET not in out.out and SECRET not in out.err
 
 
+def pieces(secret: str, n: int = 8) -> set[str]:
+    """Every n-character piece of `secret`: none may show, not even the part left of a secret cut in two."""
+    return {secret[i:i + n] for i in range(len(secret) - n + 1)}
+
+
+def shows_a_piece(text: str, secret: str) -> bool:
+    return any(p in text for p in pieces(secret))
+
+
+#: Where the executors used to cut tool text before the runner redacted it (http body, MCP isError text).
+OLD_BODY_CUT, OLD_MCP_CUT = 300, 500
+
+
+@pytest.fixture
+def echoing_error_service():
+    """A tool service that answers HTTP 500 quoting the bearer token it was sent, starting 20 characters
+    before OLD_BODY_CUT: the old cut kept 20 of its 36 characters, which no redaction rule matched."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            token = self.headers.get("Authorization", "").removeprefix("Bearer ")
+            body = ("e" * (OLD_BODY_CUT - 21) + " " + token + " was refused").encode()
+            self.send_response(500)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="echoing-error-service", daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_secret_in_an_error_body_is_redacted_before_the_body_is_cut(env, echoing_error_service):
+    tool = http_tool(f"{echoing_error_service}/lookup", headers={"Authorization": "Bearer secret://team/token"})
+    _, outcome = env.run(tool, {"q": "x"})
+    assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR", outcome
+    assert not shows_a_piece(outcome.detail, SECRET), outcome.detail
+    assert "HTTP 500" in outcome.detail and "[REDACTED:" in outcome.detail and "was refused" in outcome.detail
+    assert not shows_a_piece(env.ledger_text(), SECRET)
+
+
 # -- MCP -------------------------------------------------------------------------------------------
 def test_an_mcp_servers_tools_are_listed_and_called_through_the_gateway(env, mcp_server):
     tools = list_mcp_tools(mcp_server.url)
@@ -216,3 +269,26 @@ def test_an_oversized_mcp_answer_is_refused(env, mcp_server):
     assert isinstance(small, Completed)
     _, outcome = env.run(spec, {"size": 2 * 1024 * 1024}, call_index=1)
     assert isinstance(outcome, Failed) and outcome.error_code == "OVERSIZED_RESULT", outcome
+
+
+def test_a_secret_in_an_mcp_error_is_redacted_before_the_text_is_cut(env):
+    # The server reports an error quoting its own credential (the one the gateway sends it), placed so
+    # that the old cut of the error text fell 20 characters into it.
+    prefix = "Error executing tool refuse: "  # how the SDK words a ToolError raised by a tool
+    server = MCPServer("quotes-its-key")
+
+    @server.tool(description="Always refuses, quoting the key it was given.")
+    def refuse() -> str:
+        raise McpToolError("e" * (OLD_MCP_CUT - len(prefix) - 21) + " " + SECRET + " was refused")
+
+    running = start_mcp_server(server)
+    try:
+        [spec] = tool_specs_from_mcp(running.url, [McpTool("refuse", "refuses", {"type": "object"})],
+                                     headers={"Authorization": "Bearer secret://team/token"})
+        _, outcome = env.run(spec, {})
+    finally:
+        running.stop()
+    assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR", outcome
+    assert not shows_a_piece(outcome.detail, SECRET), outcome.detail
+    assert f"reported an error: {prefix}" in outcome.detail and "was refused" in outcome.detail
+    assert not shows_a_piece(env.ledger_text(), SECRET)

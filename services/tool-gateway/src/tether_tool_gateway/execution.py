@@ -154,6 +154,26 @@ def _short(text: str) -> str:
     return text if len(text) <= _DETAIL_MAX else text[: _DETAIL_MAX - 1] + "…"
 
 
+def error_detail(redactor: Redactor, error: ToolError) -> str:
+    """A ToolError's detail (and tail) for the ledger: redacted whole first, then shortened.
+
+    Never the other way round: the redactor matches a registered secret whole (in its encodings),
+    and a piece of one too short for the entropy rules passes it. The tail (a stderr tail) is kept
+    from its end, with at least half of the room, and starts at a whole token."""
+    head = redactor.redact(error.detail)
+    if not error.tail:
+        return _short(head)
+    if len(head) > _DETAIL_MAX // 2:
+        head = head[: _DETAIL_MAX // 2 - 1] + "…"
+    tail = redactor.redact(error.tail)
+    room = _DETAIL_MAX - len(head)
+    if len(tail) > room:
+        kept = tail[len(tail) - room + 1:]
+        start = re.search(r"\s", kept)
+        tail = "…" + (kept[start.end():] if start is not None else kept)
+    return _short(head + tail)
+
+
 def redact_result(redactor: Redactor, text: str) -> str:
     """A result's canonical JSON `text` with secrets redacted, and still JSON (canonical).
 
@@ -340,7 +360,7 @@ class ToolRunner:
                     return Pending(CallRef.of(intent), "lease lost while executing")
                 continue
             except ToolError as exc:
-                detail = _short(self._redactor.redact(exc.detail))
+                detail = error_detail(self._redactor, exc)
                 if exc.effect_unknown and not tool.idempotent:
                     # The request may have reached the other side (an HTTP POST sent, an email's
                     # DATA sent) with the answer lost: unknown, as after a crash mid-call; a human
@@ -371,10 +391,9 @@ class ToolRunner:
             if exc is None:
                 late = self._shape(future.result(), tool)
             else:
-                detail = exc.detail if isinstance(exc, ToolError) else f"{type(exc).__name__}: {exc}"
-                code = exc.code if isinstance(exc, ToolError) else "TOOL_ERROR"  # another exception's .code is not ours
-                late = Resolution(ResolutionStatus.FAILED, error_code=code,
-                                  detail=_short(self._redactor.redact(detail)))
+                error = exc if isinstance(exc, ToolError) else ToolError("TOOL_ERROR", f"{type(exc).__name__}: {exc}")
+                late = Resolution(ResolutionStatus.FAILED, error_code=error.code,
+                                  detail=error_detail(self._redactor, error))
             self.ledger.complete(claim.record.intent.idem_key, claim.token, late)
         except Exception as err:  # best effort: the call's outcome (TIMEOUT) is already recorded
             log.warning("late_result_not_recorded", idem_key=claim.record.intent.idem_key,

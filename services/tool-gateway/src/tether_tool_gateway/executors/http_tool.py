@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential_jitter
 
-from tether_tool_gateway.domain.errors import EgressDenied, InvalidToolResult, ToolError
+from tether_tool_gateway.domain.errors import EgressDenied, InvalidToolResult, ToolError, head_of
 from tether_tool_gateway.executors.builtin import _config, _headers, _tls, body_chunks, http_transport_error
 from tether_tool_gateway.executors.http_deadline import call_deadline, deadline_transport
 from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
@@ -32,7 +32,6 @@ DEFAULT_MAX_RESPONSE_BYTES = 1024 * 1024
 DEFAULT_MAX_ATTEMPTS = 3
 #: Give up (and report) a little before the gateway's own timeout for the tool fires.
 _DEADLINE_MARGIN_S = 0.25
-_DETAIL_BODY = 300
 
 
 def endpoint(config: dict[str, Any], key: str = "url") -> httpx.URL:
@@ -64,11 +63,6 @@ def check_egress(url: httpx.URL, allow: Iterable[str]) -> None:
     """Raise EgressDenied unless the URL's host is on the allowlist."""
     if (url.host or "").lower() not in set(allow):
         raise EgressDenied(url.host or "")
-
-
-def _short_body(data: bytes) -> str:
-    text = data[:_DETAIL_BODY].decode("utf-8", errors="replace")
-    return text + ("…" if len(data) > _DETAIL_BODY else "")
 
 
 def _read_capped(response: httpx.Response, cap: int, deadline: float) -> bytes:
@@ -152,7 +146,8 @@ class HttpToolExecutor:
         except httpx.HTTPError as exc:
             raise http_transport_error(exc, f"could not reach the tool service: {type(exc).__name__}: {exc}") from exc
         if not 200 <= status < 300:
-            raise ToolError("TOOL_ERROR", f"the tool service answered HTTP {status}: {_short_body(data)}",
+            # The body's head uncut for display: the runner redacts it whole, then shortens it.
+            raise ToolError("TOOL_ERROR", f"the tool service answered HTTP {status}: {head_of(data)}",
                             retryable=status >= 500 or status == 429)
         if not data.strip():
             return {"status": status, "body": None}
@@ -160,5 +155,5 @@ class HttpToolExecutor:
             parsed = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InvalidToolResult(f"the tool service answered HTTP {status} with a body that is not JSON: "
-                                    f"{_short_body(data)!r}") from exc
+                                    f"{head_of(data)!r}") from exc
         return {"status": status, "body": parsed}

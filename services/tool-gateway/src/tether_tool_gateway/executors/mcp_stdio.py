@@ -46,7 +46,7 @@ from tether_security.sandbox import (
     SandboxSetupError,
     SandboxUnavailable,
 )
-from tether_tool_gateway.domain.errors import ToolError
+from tether_tool_gateway.domain.errors import ToolError, head_of, tail_of
 from tether_tool_gateway.domain.executor_config import executor_config_problems
 from tether_tool_gateway.executors.builtin import _config, resolve_secret_handles
 from tether_tool_gateway.executors.mcp_tool import (
@@ -67,8 +67,6 @@ _DEADLINE_MARGIN_S = 0.25
 #: The sandbox's own wall clock is a backstop behind the session's deadline (which ends the call first).
 _WALL_BACKSTOP_S = 1.0
 _READ_CHUNK = 65536
-_SHOWN_BYTES = 200
-_STDERR_SHOWN = 600
 
 T = TypeVar("T")
 
@@ -181,7 +179,7 @@ class SandboxedStdio:
         try:
             return SessionMessage(mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False))
         except ValueError:
-            shown = line[:_SHOWN_BYTES].decode("utf-8", errors="replace")
+            shown = head_of(line)  # whole up to a bound: the runner redacts it, then shortens it
             self._fail(InvalidServerOutput(f"the MCP server wrote a line to stdout that is not a JSON-RPC message "
                                            f"(the protocol allows nothing else there): {shown!r}"))
             return None
@@ -210,11 +208,16 @@ async def _write_all(fd: int, data: bytes) -> None:
 
 
 # -- one session with a sandboxed server --------------------------------------------------------
-def _stderr(end: SandboxExit | None) -> str:
+def _with_stderr(error: ToolError, end: SandboxExit | None) -> ToolError:
+    """`error` with the server's stderr tail as its tail: whole (the runner redacts it, then keeps its end;
+    the server may hold secrets in its environment), less a first line the capture cut."""
     if end is None or not end.stderr_tail:
-        return ""
-    text = end.stderr_tail.decode("utf-8", errors="replace").strip()
-    return "; stderr: " + (text if len(text) <= _STDERR_SHOWN else "…" + text[-_STDERR_SHOWN:])
+        return error
+    tail = tail_of(end.stderr_tail, cut=end.stderr_bytes > len(end.stderr_tail))
+    if not tail:
+        return error
+    return ToolError(error.code, error.detail + "; stderr: ", error.retryable, effect_unknown=error.effect_unknown,
+                     tail=tail)
 
 
 def _signal_name(number: int | None) -> str:
@@ -229,13 +232,14 @@ def _session_error(exc: BaseException, channel: SandboxedStdio, end: SandboxExit
     if channel.problem is not None:
         return transport_error(channel.problem, what)
     if end is not None and end.setup_failed:
-        return ToolError("EXECUTOR_UNAVAILABLE", f"the sandbox could not start the MCP server{_stderr(end)}")
+        return _with_stderr(ToolError("EXECUTOR_UNAVAILABLE", "the sandbox could not start the MCP server"), end)
     if end is not None and end.timed_out:
         return ToolError("TIMEOUT", f"the MCP server did not answer {what} in time (the sandbox's wall clock)",
                          retryable=True)
     if end is not None and not end.killed:
         how = f"exit code {end.exit_code}" if end.exit_code is not None else _signal_name(end.killed_by_signal)
-        exc = ServerExited(f"the MCP server exited ({how}) before answering{_stderr(end)}")
+        return _with_stderr(transport_error(ServerExited(f"the MCP server exited ({how}) before answering"), what),
+                            end)
     return transport_error(exc, what)
 
 

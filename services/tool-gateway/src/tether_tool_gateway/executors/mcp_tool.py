@@ -29,7 +29,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult
 
 from tether_contracts.records import RiskClass, ToolSpec
-from tether_tool_gateway.domain.errors import ToolError
+from tether_tool_gateway.domain.errors import ToolError, cut_text
 from tether_tool_gateway.executors.builtin import _config, _headers
 from tether_tool_gateway.executors.http_tool import endpoint
 from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
@@ -187,7 +187,8 @@ def call_result(remote: str, result: CallToolResult) -> dict[str, Any]:
     content = [_jsonable(block) for block in result.content]
     if result.is_error:
         text = " ".join(b.get("text", "") for b in content if isinstance(b, dict))
-        raise ToolError("TOOL_ERROR", f"the MCP tool {remote!r} reported an error: {text[:500]}")
+        # Bounded for memory only: the runner redacts the text whole, then shortens it.
+        raise ToolError("TOOL_ERROR", f"the MCP tool {remote!r} reported an error: {cut_text(text)}")
     out: dict[str, Any] = {"content": content}
     if result.structured_content is not None:
         out["structured_content"] = result.structured_content

@@ -21,18 +21,12 @@ from tether_security import (
     SandboxSetupError,
     SandboxUnavailable,
 )
-from tether_tool_gateway.domain.errors import ToolError
+from tether_tool_gateway.domain.errors import ToolError, tail_of
 from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
 
 #: The sandbox must give up before the gateway's own timeout for the tool does.
 _WALL_MARGIN_S = 1.0
-_TAIL = 600
 _LIMIT_FIELDS = {f.name for f in dataclasses.fields(SandboxLimits)}
-
-
-def _tail(data: bytes) -> str:
-    text = data.decode("utf-8", errors="replace")
-    return text if len(text) <= _TAIL else "…" + text[-_TAIL:]
 
 
 class SandboxExecutor:
@@ -82,7 +76,8 @@ class SandboxExecutor:
         code = "TIMEOUT" if result.error_code is SandboxErrorCode.TIMEOUT else "TOOL_ERROR"
         detail = (f"sandbox {result.error_code.value}"
                   + (f" (limit: {result.limit_hit})" if result.limit_hit else "")
-                  + (f", signal {result.killed_by_signal}" if result.killed_by_signal else "")
-                  + (f"; stderr: {_tail(result.stderr)}" if result.stderr else ""))
+                  + (f", signal {result.killed_by_signal}" if result.killed_by_signal else ""))
+        # The stderr tail whole: the runner redacts it, then keeps its end.
+        tail = tail_of(result.stderr, cut=False)
         # Re-running code that hit a limit hits it again; the model should change the code.
-        raise ToolError(code, detail, retryable=False)
+        raise ToolError(code, detail + ("; stderr: " if tail else ""), retryable=False, tail=tail)
