@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -204,6 +206,40 @@ def test_connection_refused_is_retried_then_a_provider_error() -> None:
     p.close()
     assert err.value.code == "PROVIDER_ERROR" and err.value.attempts == 2
     assert "ConnectError" in err.value.detail
+
+
+def test_a_key_in_an_error_body_is_scrubbed_before_the_body_is_cut() -> None:
+    # A provider's 401 quotes the key it was sent, in a body that is not JSON, starting 20 characters
+    # before where the error text used to be cut (500): those 20 characters matched no scrubbing rule.
+    key = "vllm-Qm7vT2kLx9pR4sW8yZ1bN6cD3fG5hJ0a"
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            sent = self.headers.get("Authorization", "").removeprefix("Bearer ")
+            body = ("e" * 479 + " " + sent + " is not a valid key").encode()
+            self.send_response(401)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    p = OpenAIChatProvider(HttpSettings(f"http://127.0.0.1:{server.server_port}/v1", api_key=key, retry=FAST))
+    try:
+        with pytest.raises(ProviderError) as err:
+            p.complete(_request("g"))
+    finally:
+        p.close()
+        server.shutdown()
+        server.server_close()
+    detail = err.value.detail
+    assert not any(key[i:i + 8] in detail for i in range(len(key) - 7)), detail
+    assert detail.startswith("HTTP 401: eee") and "[redacted]" in detail
 
 
 def test_a_slow_model_is_a_timeout(model_server) -> None:

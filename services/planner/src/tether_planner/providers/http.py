@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,6 +23,11 @@ T = TypeVar("T")
 
 #: Statuses worth another attempt: timeouts, conflicts, rate limits, server errors, Anthropic's 529.
 RETRYABLE_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504, 529})
+#: An error body that is not JSON is quoted up to this many characters, scrubbed first (below)...
+ERROR_TEXT_SHOWN = 500
+#: ...from at most this much of it (memory; where it is cut, its last token goes: it may end inside a key).
+_ERROR_TEXT_SCRUBBED = 8192
+_LAST_TOKEN = re.compile(r"\S*\Z")
 
 # How providers word a context-length refusal (OpenAI, vLLM, Ollama, llama.cpp, Anthropic).
 _CONTEXT_MARKERS = (
@@ -112,7 +118,10 @@ def status_error(response: httpx.Response, scrub: Scrubber) -> ProviderError:
         body: Any = json.loads(text)
     except json.JSONDecodeError:
         body = None
-    message = scrub(error_message(body, text[:500] or response.reason_phrase))
+    # Scrub, then cut: a key cut in half matches neither its value nor its shape, and part of it would pass.
+    head = text if len(text) <= _ERROR_TEXT_SCRUBBED else _LAST_TOKEN.sub("", text[:_ERROR_TEXT_SCRUBBED])
+    shown = scrub(head)[:ERROR_TEXT_SHOWN]
+    message = scrub(error_message(body, shown or response.reason_phrase))
     status = response.status_code
     detail = f"HTTP {status}: {message}"
     if is_context_overflow(status, message):
