@@ -36,6 +36,55 @@ def test_bad_http_configs_are_refused(config, fragment):
     assert any(fragment in p for p in executor_config_problems("http", config))
 
 
+# A registered config is copied into SubmitRun/RunAccepted (the run log, kept forever) and the catalog.
+@pytest.mark.parametrize("url", [
+    "https://api.example/v1/lookup?api_key=sk_live_4eC39HqLyjWDarjtT1zdp7dc",
+    "https://api.example/v1/lookup?q=1&APIKEY=a1b2c3",
+    "https://api.example/v1/lookup?Key=abc",
+    "https://api.example/v1/lookup?token=t0k3n-value",
+    "https://api.example/v1/lookup?access_token=ya29.a0AfH6SMBx",
+    "https://api.example/v1/lookup?sig=abc",
+    "https://api.example/v1/lookup?signature=abc",
+    "https://api.example/v1/lookup?secret=hunter2hunter2",
+    "https://api.example/v1/lookup?password=hunter2",
+    "https://api.example/v1/lookup?client_secret=abc",
+    "https://api.example/v1/lookup?auth=abc",
+    "https://api.example/v1/lookup?X-Amz-Security-Token=abc",
+    "https://api.example/v1/lookup#access_token=abc",
+    # Azure blob SAS: the signature is the last of several ordinary-looking parameters.
+    "https://acct.blob.core.windows.net/c/b.json?sv=2022-11-02&ss=b&srt=o&sp=r&se=2030-01-01T00:00:00Z"
+    "&spr=https&sig=8yZ0q2kVHcXkP1mD5w7rT9uJ3nL6sB4aE2fG0hI8jK0%3D",
+    # A Slack incoming webhook: the token is the path; so are a Telegram bot's and a generic hook's.
+    "https://hooks.slack.com/services/T0A1B2C3D/B0E4F5G6H/aBcDeFgHiJkLmNoPqRsTuVwX",
+    "https://api.telegram.org/bot123456789:AAHdqTcvCH1vGWJxfSeofSAs0K5PALDsaw/sendMessage",
+    "https://tools.example/hooks/Xk9pL2mQ7rT4vW8yZ1bN6cD3fG5hJ0aK/run",
+    # A secret-shaped value under an innocent name.
+    "https://api.example/v1/lookup?q=ghp_abcdefghijklmnopqrstuvwxyz0123456789",
+])
+@pytest.mark.parametrize("kind", ["http", "mcp"])
+def test_a_credential_in_the_url_is_refused(url, kind):
+    problems = executor_config_problems(kind, {"url": url, "tool": "search"})
+    assert len(problems) == 1 and problems[0].startswith("'url' must not carry credentials"), problems
+    assert "secret://<name>" in problems[0]
+    # The refusal names the parameter at most, never its value.
+    assert not any(len(v) >= 6 and v in problems[0] for v in _query_values(url))
+
+
+def _query_values(url: str) -> list[str]:
+    from urllib.parse import parse_qsl, urlsplit
+    parts = urlsplit(url)
+    return [v for _, v in parse_qsl(parts.query) + parse_qsl(parts.fragment)] + parts.path.split("/")
+
+
+@pytest.mark.parametrize("url", ["https://tools.example/search?q=1&page=2",
+                                 "https://tools.example/v2/orders?status=open&limit=50&sort=-created_at",
+                                 "https://tools.example/lookup?monkey=banana&keyword=tether",
+                                 "https://tools.example/t/3f2a9c1e-5b7d-4e8f-9a0b-1c2d3e4f5a6b/lookup",
+                                 "https://tools.example/v1/orders?cursor=eyJwYWdlIjoyfQ%3D%3D"])
+def test_an_ordinary_query_string_passes(url):
+    assert executor_config_problems("http", {"url": url}) == []
+
+
 def test_an_mcp_config_names_the_servers_tool():
     assert executor_config_problems("mcp", {"url": URL}) == ["'tool' is required (the tool's name on the MCP server)"]
 

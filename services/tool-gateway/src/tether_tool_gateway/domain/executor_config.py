@@ -6,7 +6,7 @@ from __future__ import annotations
 import posixpath
 import re
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 from tether_security import Redactor
 
@@ -15,6 +15,13 @@ _HANDLE = re.compile(r"secret://[A-Za-z0-9._/-]+")
 _SECRETS = Redactor()
 _MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 _MAX_ATTEMPTS = 10
+#: Query (or fragment) parameters that carry a credential, compared lower-case without '-' and '_': the
+#: registered config is copied into the run log (kept forever) and the catalog, so such a URL is refused.
+_CREDENTIAL_PARAMS = frozenset({"apikey", "key", "token", "accesstoken", "sig", "signature", "secret", "password",
+                                "clientsecret", "auth", "passwd", "pwd", "accesskey", "privatekey", "authtoken"})
+#: Parameter names ending so also carry one (`X-Amz-Signature`, `X-Amz-Security-Token`, `sas_token`, `x-api-key`).
+_CREDENTIAL_SUFFIXES = ("signature", "token", "secret", "password", "apikey", "credential")
+_USE_A_HANDLE = "send it in a header whose value is a secret://<name> handle instead"
 
 
 def _url_problems(config: dict[str, Any]) -> list[str]:
@@ -26,6 +33,9 @@ def _url_problems(config: dict[str, Any]) -> list[str]:
         return ["'url' must be an absolute http(s) URL"]
     if parts.username or parts.password:
         return ["'url' must not carry credentials; use a header with a secret:// handle"]
+    problems = _url_credential_problems(url, parts)
+    if problems:
+        return problems
     allow = config.get("allow_hosts")
     if allow is None:
         return []
@@ -34,6 +44,37 @@ def _url_problems(config: dict[str, Any]) -> list[str]:
     if parts.hostname.lower() not in {h.lower() for h in allow}:
         return [f"the url's host {parts.hostname!r} is not in 'allow_hosts'"]
     return []
+
+
+def _url_credential_problems(url: str, parts: SplitResult) -> list[str]:
+    """A credential in the url's query (or fragment), by its parameter's name or by its shape; never quotes it."""
+    params = parse_qsl(parts.query, keep_blank_values=True) + parse_qsl(parts.fragment, keep_blank_values=True)
+    names = sorted({name for name, _ in params})
+    credentials = [name for name in names if _names_a_credential(name)]
+    if credentials:
+        which = (f"query parameter {credentials[0]!r} names a credential" if len(credentials) == 1
+                 else f"query parameters {', '.join(map(repr, credentials))} name credentials")
+        return [f"'url' must not carry credentials: {which}; {_USE_A_HANDLE}"]
+    if _secret_in_url(url, parts, [value for _, value in params]):
+        return [f"'url' must not carry credentials: it holds what looks like a secret value (in its path, query "
+                f"or fragment); {_USE_A_HANDLE}"]
+    return []
+
+
+def _secret_in_url(url: str, parts: SplitResult, values: list[str]) -> bool:
+    findings = _SECRETS.findings(_HANDLE.sub("", url))
+    if any(not f.kind.startswith("high_entropy") for f in findings):
+        return True  # a shape (a Slack webhook, a GitHub token, ...), which may span the path
+    if not findings:
+        return False
+    # The entropy rules read a URL as one base64 run ('/' is a base64 character), so an ordinary path
+    # with an id in it would pass for a secret: judge each path segment and query value alone.
+    return any(_secret_looking(unquote(piece)) for piece in [*parts.path.split("/"), *values])
+
+
+def _names_a_credential(name: str) -> bool:
+    bare = name.lower().replace("-", "").replace("_", "")
+    return bare in _CREDENTIAL_PARAMS or bare.endswith(_CREDENTIAL_SUFFIXES)
 
 
 def _header_problems(config: dict[str, Any]) -> list[str]:
