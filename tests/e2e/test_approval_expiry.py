@@ -30,7 +30,10 @@ def short_ttl_system(kafka_bootstrap, pg_dsn, redis_url, tmp_path_factory) -> It
     system = TetherSystem(SystemConfig(
         kafka_bootstrap=kafka_bootstrap, pg_dsn=pg_dsn, redis_url=redis_url, partitions=2,
         workdir=tmp_path_factory.mktemp("tether-expiry"), scenarios=[SCENARIOS],
-        extra_env={"tool-gateway": {"TETHER_GATEWAY_POLICY_JSON": json.dumps(POLICY)}},
+        extra_env={"tool-gateway": {"TETHER_GATEWAY_POLICY_JSON": json.dumps(POLICY)},
+                   # The expiry waits a grace for decisions made in time but not yet read (30 s by
+                   # default); 1 s keeps this test short and still exercises it.
+                   "approval": {"TETHER_APPROVAL_EXPIRY_GRACE_MS": "1000"}},
     ))
     try:
         system.start()
