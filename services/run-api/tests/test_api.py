@@ -347,3 +347,36 @@ def test_a_crafted_page_token_is_invalid_page_token_not_internal(harness: Harnes
     for listing, key in {"approvals:PENDING:": [1, "a"], "agents": "helper", "tools": "web_search",
                          "runs": run_id, f"steps:{run_id}": 1}.items():
         calls[listing](_token(listing, key))
+
+
+def test_an_undecodable_or_oversized_page_token_is_invalid_page_token_not_internal(harness: Harness) -> None:
+    # json.loads raises RecursionError (no ValueError) on deep nesting, which fits in a short token;
+    # a token longer than any the server issues is refused unread, even when it would decode.
+    harness.agents.CreateAgent(agents_pb.CreateAgentRequest(agent=agent()), metadata=auth(ADMIN_KEY))
+    run_id = harness.runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="g"),
+                                    metadata=auth(MEMBER_KEY)).run_id
+    md = auth(ADMIN_KEY)
+    calls = {
+        "approvals:PENDING:": lambda t: harness.approvals.ListApprovals(
+            approvals_pb.ListApprovalsRequest(page_token=t), metadata=md),
+        "agents": lambda t: harness.agents.ListAgents(agents_pb.ListAgentsRequest(page_token=t), metadata=md),
+        "tools": lambda t: harness.tools.ListTools(tools_pb.ListToolsRequest(page_token=t), metadata=md),
+        "runs": lambda t: harness.runs.ListRuns(runs_pb.ListRunsRequest(page_token=t), metadata=md),
+        f"steps:{run_id}": lambda t: harness.runs.ListRunSteps(
+            runs_pb.ListRunStepsRequest(run_id=run_id, page_token=t), metadata=md),
+    }
+    resumable = {"approvals:PENDING:": [1, "a"], "agents": "helper", "tools": "web_search", "runs": run_id,
+                 f"steps:{run_id}": 1}
+
+    def padded(listing: str) -> str:
+        body = {"l": listing, "k": resumable[listing], "pad": "x" * 5000}
+        return base64.urlsafe_b64encode(json.dumps(body).encode()).decode().rstrip("=")
+
+    for listing, call in calls.items():
+        deep = [base64.urlsafe_b64encode(opener * 1000).decode().rstrip("=") for opener in (b"[", b'{"a":')]
+        for token in (*deep, padded(listing)):
+            with pytest.raises(grpc.RpcError) as err:
+                call(token)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (listing, token[:20], err.value.details())
+            assert reason_of(err.value) == "INVALID_PAGE_TOKEN", listing
+        call(_token(listing, resumable[listing]))  # the tokens the server issues still resume

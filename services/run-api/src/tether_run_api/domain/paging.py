@@ -9,6 +9,10 @@ from tether_run_api.domain.errors import FieldViolation, InvalidArgument, Invali
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 500
+#: Longer than any token this server issues (the longest, an approvals listing's with a 128-character
+#: approval id of astral-plane characters escaped by json.dumps, is about 2,200), so a longer one
+#: is refused before it is decoded at all.
+MAX_TOKEN_CHARS = 4096
 
 
 def page_size(requested: int, path: str = "page_size") -> int:
@@ -30,10 +34,14 @@ def decode_token(token: str, listing: str) -> object | None:
     """The key a token resumes after, None for the first page; InvalidPageToken if it is not ours."""
     if not token:
         return None
+    if len(token) > MAX_TOKEN_CHARS:
+        raise InvalidPageToken()
     try:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
+        # ValueError covers bad base64, bad UTF-8 and bad JSON; RecursionError a token nesting
+        # arrays or objects deeper than the parser recurses ("[[[[..." fits well under the cap).
         raise InvalidPageToken() from None
     if not isinstance(body, dict) or body.get("l") != listing or "k" not in body:
         raise InvalidPageToken()
