@@ -404,6 +404,29 @@ def test_a_gap_the_read_model_never_fills_asks_the_client_to_resume(world: World
     assert err.value.metadata["next_seq"] == "2"
 
 
+def test_a_hole_in_the_read_model_ends_the_stream_at_it_instead_of_polling_for_ever(world: World) -> None:
+    # A finished run whose seq 2 the projector never stored (dead-lettered), everything published before
+    # the stream opened: the feed stays quiet, and the read model can never fill the hole (the projector's
+    # last_seq is past it), so the stream ends at it with STREAM_RESUME_REQUIRED, on every resume.
+    run_id = world.submit()
+    log = _events(run_id, 5, terminal_at=5)
+    world.read_model.add_events("acme", [log[0], *log[2:]])
+    world.read_model.runs[("acme", run_id)] = RunView(run_id, RunStatus.COMPLETED, last_seq=5)
+    world.live.feeds[run_id] = [LiveEntry(e.seq, e) for e in log if e.seq != 2]
+    for from_seq, sent_before in ((0, [1]), (2, [])):
+        seen: list[int] = []
+        with pytest.raises(StreamResumeRequired) as err:
+            for e in handlers.stream_run_events(
+                run_id, from_seq, principal=ALICE, read_model=world.read_model, ledger=world.ledger,
+                live=world.live, policy=handlers.StreamPolicy(page=10, block_ms=1, gap_wait_s=60.0, gap_poll_s=0.0),
+                is_active=lambda: world.live.reads < 1000, sleep=lambda s: None,
+            ):
+                seen.append(e.seq)
+        assert seen == sent_before and err.value.metadata["next_seq"] == "2"
+    assert world.live.reads == 0  # ended from the catch-up itself, not after polling
+    assert [e.seq for e in _stream(world, run_id, 3)] == [3, 4, 5]  # past the hole the rest is served
+
+
 def test_stream_of_another_tenants_run_is_not_found(world: World) -> None:
     run_id = world.submit()
     with pytest.raises(RunNotFound):

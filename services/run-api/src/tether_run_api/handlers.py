@@ -524,7 +524,8 @@ def stream_run_events(
     one owed makes the stream fetch the missing range from the read model first; a quiet
     feed makes it re-check the read model, so a lost live publish delays an event but
     never loses it. Raises StreamResumeRequired if a seen seq stays missing from the read
-    model (the client resumes from the next seq it is owed).
+    model, or at once when the read model holds a later seq of the run but not the one owed
+    (a hole no projector write can fill); the client resumes from the next seq it is owed.
 
     A from_seq past the run's last event sends nothing and ends once the run has finished
     (at once if it already had): when the feed shows the terminal event below from_seq, or
@@ -549,7 +550,11 @@ def stream_run_events(
             page = read_model.events(tenant, run_id, gate.next_seq, policy.page)
             for ev in page:
                 if gate.offer(ev.seq) is not Offer.NEXT:
-                    return  # a hole in the read model: wait for the live feed or the next poll
+                    # A later seq stored and this one not (one query, one snapshot): the projector
+                    # stores a run's events in seq order and never below its last_seq, so it moved
+                    # past an event it did not store (docs/projector.md) and nothing will fill the
+                    # hole. Waiting would hold a stream slot for ever; end the call at the hole.
+                    raise StreamResumeRequired(run_id, gate.next_seq)
                 gate.sent(ev)
                 yield ev
                 if gate.done:
