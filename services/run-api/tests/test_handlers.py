@@ -273,6 +273,29 @@ def test_decide_approval_checks_role_tenant_status_and_args_hash(world: World) -
         handlers.decide_approval(ok, principal=APPROVER, **kw)
 
 
+def test_list_approvals_filters_on_the_status_it_shows(world: World) -> None:
+    # A stored PENDING past its expiry is shown EXPIRED, so it is listed under EXPIRED, not PENDING;
+    # exactly at expires_at_ms it is still in time, and one without an expiry never expires.
+    run_id = world.submit()
+    stored = {"late": ("PENDING", world.now - 1), "due": ("PENDING", world.now), "open": ("PENDING", None),
+              "old": ("EXPIRED", world.now - 5000), "done": ("APPROVED", world.now - 1)}
+    for i, (approval_id, (status, expires)) in enumerate(stored.items()):
+        _approval(world, run_id, approval_id=approval_id, status=status, expires_at_ms=expires, requested_at_ms=i)
+    listed = {}
+    for status in ("PENDING", "EXPIRED", "APPROVED"):
+        rows, _ = handlers.list_approvals(status, "", 0, "", principal=ALICE, read_model=world.read_model,
+                                          now_ms=world.now)
+        listed[status] = [a.approval_id for a in rows]
+        assert {a.effective_status(world.now) for a in rows} <= {status}
+    assert listed == {"PENDING": ["due", "open"], "EXPIRED": ["late", "old"], "APPROVED": ["done"]}
+    # Paging through EXPIRED mixes both kinds in one order.
+    first, token = handlers.list_approvals("EXPIRED", "", 1, "", principal=ALICE, read_model=world.read_model,
+                                           now_ms=world.now)
+    rest, _ = handlers.list_approvals("EXPIRED", "", 1, token, principal=ALICE, read_model=world.read_model,
+                                      now_ms=world.now)
+    assert [a.approval_id for a in first + rest] == ["late", "old"]
+
+
 def test_an_approver_may_not_approve_their_own_run_but_may_reject_it(world: World) -> None:
     run_id = world.submit(principal=APPROVER)
     _approval(world, run_id)

@@ -1,4 +1,4 @@
-"""One conformance suite for the Catalog and SubmitLedger ports, run against the fake and PostgreSQL."""
+"""One conformance suite for the Catalog, SubmitLedger and ReadModel ports, run against the fakes and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 from psycopg import sql
 
 from tether_contracts.records import AgentSpec, Caps, ModelRef, RiskClass, ToolSpec
+from tether_projector.adapters.postgres import DDL as READ_MODEL_DDL
 from tether_run_api import admin
 from tether_run_api.adapters.postgres import PostgresStore, migrate, open_pool
+from tether_run_api.adapters.read_model import PostgresReadModel
 from tether_run_api.domain.errors import (
     AgentAlreadyExists,
     AgentVersionConflict,
@@ -21,9 +23,9 @@ from tether_run_api.domain.errors import (
     RequestIdReused,
     UnstorableValue,
 )
-from tether_run_api.domain.views import Submission
+from tether_run_api.domain.views import ApprovalView, Submission
 from tether_run_api.ports import Idempotency
-from tether_run_api.testing import FakeCatalog, FakeLedger
+from tether_run_api.testing import FakeCatalog, FakeLedger, FakeReadModel
 
 
 class FakeStore:
@@ -55,6 +57,47 @@ def store(request) -> Iterator[object]:
         migrate(pool, schema)
         migrate(pool, schema)  # idempotent
         yield PostgresStore(pool, schema)
+    finally:
+        pool.close()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+class ReadModelRows:
+    """A ReadModel (the fake or the PostgreSQL one) and a way to store the projector's rows under it."""
+
+    def __init__(self, read_model: object, add_approval) -> None:
+        self.read_model = read_model
+        self.add_approval = add_approval
+
+
+@pytest.fixture(params=["fake", pytest.param("postgres", marks=pytest.mark.integration)])
+def read_model(request) -> Iterator[ReadModelRows]:
+    if request.param == "fake":
+        fake = FakeReadModel()
+
+        def add_fake(tenant_id: str, a: ApprovalView) -> None:
+            fake.approvals[(tenant_id, a.approval_id)] = a
+
+        yield ReadModelRows(fake, add_fake)
+        return
+    dsn = request.getfixturevalue("pg_dsn")
+    schema = f"read_model_conf_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL(READ_MODEL_DDL).format(s=sql.Identifier(schema)))
+    pool = open_pool(dsn, max_size=2)
+
+    def add_row(tenant_id: str, a: ApprovalView) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL(
+                "INSERT INTO {}.approvals (approval_id, tenant_id, run_id, call_id, args_hash, status, "
+                "requested_at_ms, expires_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)").format(
+                sql.Identifier(schema)),
+                (a.approval_id, tenant_id, a.run_id, a.call_id, a.args_hash, a.status, a.requested_at_ms,
+                 a.expires_at_ms))
+
+    try:
+        yield ReadModelRows(PostgresReadModel(pool, schema), add_row)
     finally:
         pool.close()
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -197,3 +240,31 @@ def test_operator_text_with_a_nul_character_is_refused_before_the_store() -> Non
         admin.create_tenant(untouched, "acme", display_name="A\x00")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument):
         admin.grant_tools(untouched, "acme", "b\x00b", ["web_search"])  # type: ignore[arg-type]
+
+
+def test_list_approvals_filters_on_the_effective_status(read_model: ReadModelRows) -> None:
+    # The status a listing filters on is the one its rows show (ApprovalView.effective_status at now):
+    # a stored PENDING past expires_at_ms is EXPIRED; at expires_at_ms, or with no expiry, it is PENDING.
+    now = 1_700_000_000_000
+    stored = {"late": ("PENDING", now - 1), "due": ("PENDING", now), "open": ("PENDING", None),
+              "old": ("EXPIRED", now - 5000), "done": ("APPROVED", now - 1), "r2": ("PENDING", now - 1)}
+    for i, (approval_id, (status, expires)) in enumerate(stored.items()):
+        run_id = "RUN2" if approval_id == "r2" else "RUN1"
+        read_model.add_approval("t", ApprovalView(approval_id, run_id, "1.0", "a" * 64, status,
+                                                  requested_at_ms=i, expires_at_ms=expires))
+    read_model.add_approval("u", ApprovalView("theirs", "RUN1", "1.0", "a" * 64, "PENDING", expires_at_ms=now - 1))
+    rm = read_model.read_model
+
+    def ids(status: str, run_id: str | None = None, after: tuple[int, str] | None = None, limit: int = 10):
+        rows = rm.list_approvals("t", status, run_id, after, limit, now)
+        assert {a.effective_status(now) for a in rows} <= {status}
+        return [a.approval_id for a in rows]
+
+    assert ids("PENDING") == ["due", "open"]
+    assert ids("EXPIRED") == ["late", "old", "r2"]
+    assert ids("EXPIRED", "RUN1") == ["late", "old"] and ids("EXPIRED", "RUN2") == ["r2"]
+    assert ids("EXPIRED", after=(0, "late"), limit=1) == ["old"]
+    assert ids("APPROVED") == ["done"] and ids("REJECTED") == []
+    # The same rows a moment earlier: "late" and "r2" were still in time.
+    assert [a.approval_id for a in rm.list_approvals("t", "PENDING", None, None, 10, now - 1)] == \
+        ["late", "due", "open", "r2"]

@@ -623,8 +623,13 @@ def list_approvals(
     *,
     principal: Principal,
     read_model: ReadModel,
+    now_ms: int,
 ) -> tuple[list[ApprovalView], str]:
-    """A page of the tenant's approvals in `status` (default PENDING), oldest request first."""
+    """A page of the tenant's approvals in `status` (default PENDING) as of now_ms, oldest request first.
+
+    The status is the effective one the response shows: a PENDING approval past its expiry is
+    EXPIRED (listed there, not under PENDING) even before the approval service records it.
+    """
     principal.require(ROLE_MEMBER)
     status = status or "PENDING"
     violations = []
@@ -638,7 +643,7 @@ def list_approvals(
     listing = f"approvals:{status}:{run_id}"
     after = _resume_key(token, listing, _approval_key)
     key = (after[0], after[1]) if isinstance(after, list) else None
-    rows = read_model.list_approvals(principal.tenant_id, status, run_id or None, key, limit + 1)
+    rows = read_model.list_approvals(principal.tenant_id, status, run_id or None, key, limit + 1, now_ms)
     more = len(rows) > limit
     rows = rows[:limit]
     return rows, encode_token(listing, [rows[-1].requested_at_ms, rows[-1].approval_id]) if more else ""

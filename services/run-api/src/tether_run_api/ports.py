@@ -150,8 +150,10 @@ class ReadModel(Protocol):
         ...
 
     def list_approvals(self, tenant_id: str, status: str, run_id: str | None,
-                       after: tuple[int, str] | None, limit: int) -> list[ApprovalView]:
-        """Approvals in `status`, ordered by (requested_at_ms, approval_id) after `after`."""
+                       after: tuple[int, str] | None, limit: int, now_ms: int) -> list[ApprovalView]:
+        """Approvals whose effective status at now_ms (ApprovalView.effective_status: a stored PENDING
+        past its expires_at_ms is EXPIRED) is `status`, ordered by (requested_at_ms, approval_id) after
+        `after`: filtered by the status the response shows, not the stored one."""
         ...
 
 

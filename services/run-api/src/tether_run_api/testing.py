@@ -250,10 +250,10 @@ class FakeReadModel:
         return self.approvals.get((tenant_id, approval_id))
 
     def list_approvals(self, tenant_id: str, status: str, run_id: str | None,
-                       after: tuple[int, str] | None, limit: int) -> list[ApprovalView]:
+                       after: tuple[int, str] | None, limit: int, now_ms: int) -> list[ApprovalView]:
         rows = sorted(
             (a for (t, _), a in self.approvals.items()
-             if t == tenant_id and a.status == status and (run_id is None or a.run_id == run_id)),
+             if t == tenant_id and a.effective_status(now_ms) == status and (run_id is None or a.run_id == run_id)),
             key=lambda a: (a.requested_at_ms, a.approval_id),
         )
         if after is not None:

@@ -194,12 +194,22 @@ class PostgresReadModel:
 
     @unavailable_as_error
     def list_approvals(self, tenant_id: str, status: str, run_id: str | None,
-                       after: tuple[int, str] | None, limit: int) -> list[ApprovalView]:
+                       after: tuple[int, str] | None, limit: int, now_ms: int) -> list[ApprovalView]:
         after_ms, after_id = after if after is not None else (-1, "")
+        # The effective status (ApprovalView.effective_status), not the stored one: a PENDING row
+        # past its expiry is listed (and shown) as EXPIRED until the approval service records it.
+        # Each branch keeps `status = ...` leading, for the (tenant_id, status, ...) index.
+        if status == "PENDING":
+            where, params = "status = 'PENDING' AND (expires_at_ms IS NULL OR expires_at_ms >= %s)", (now_ms,)
+        elif status == "EXPIRED":
+            where = "status IN ('EXPIRED', 'PENDING') AND (status = 'EXPIRED' OR expires_at_ms < %s)"
+            params = (now_ms,)
+        else:
+            where, params = "status = %s", (status,)
         rows = self._all(
-            "SELECT * FROM {s}.approvals WHERE tenant_id = %s AND status = %s "
+            "SELECT * FROM {s}.approvals WHERE tenant_id = %s AND " + where + " "
             "AND (%s::text IS NULL OR run_id = %s::text) AND (requested_at_ms, approval_id) > (%s, %s) "
             "ORDER BY requested_at_ms, approval_id LIMIT %s",
-            (tenant_id, status, run_id, run_id, after_ms, after_id, limit),
+            (tenant_id, *params, run_id, run_id, after_ms, after_id, limit),
         )
         return [_approval(r) for r in rows]
