@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -29,7 +30,9 @@ from tether_run_api.api.servicers import Services
 from tether_run_api.api.status import error_info
 from tether_run_api.domain.admission import SubmitRateLimiter
 from tether_run_api.domain.auth import ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER, Principal, hash_api_key
-from tether_run_api.domain.views import EventView
+from tether_run_api.domain.runs import new_run_id
+from tether_run_api.domain.views import EventView, RunStatus, RunView
+from tether_run_api.settings import RunApiSettings
 from tether_run_api.testing import (
     FakeApiKeys,
     FakeCatalog,
@@ -380,3 +383,71 @@ def test_an_undecodable_or_oversized_page_token_is_invalid_page_token_not_intern
             assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (listing, token[:20], err.value.details())
             assert reason_of(err.value) == "INVALID_PAGE_TOKEN", listing
         call(_token(listing, resumable[listing]))  # the tokens the server issues still resume
+
+
+class _BlockingLive(FakeLiveEvents):
+    """A quiet feed that waits block_ms, as XREAD BLOCK does, instead of answering at once."""
+
+    def read(self, run_id: str, cursor: str, block_ms: int):
+        entries, cursor = super().read(run_id, cursor, block_ms)
+        if not entries:
+            time.sleep(block_ms / 1000)
+        return entries, cursor
+
+
+def test_one_tenant_cannot_take_every_stream_slot() -> None:
+    # 3 slots, at most 2 per tenant: a tenant watching its live runs is refused its third stream with
+    # its own reason while another tenant is still served; only a full server is TOO_MANY_STREAMS.
+    keys = FakeApiKeys()
+    keys.keys[hash_api_key(MEMBER_KEY)] = Principal("acme", "alice", frozenset({ROLE_MEMBER}))
+    keys.keys[hash_api_key(OTHER_KEY)] = Principal("evil", "mallory", frozenset({ROLE_MEMBER}))
+    read_model = FakeReadModel()
+    runs = {}
+    for i, tenant in enumerate(("acme", "evil")):
+        run_id = runs[tenant] = new_run_id(1_700_000_000_000, bytes([i]) * 10)
+        read_model.runs[(tenant, run_id)] = RunView(run_id, RunStatus.RUNNING, last_seq=1)
+        read_model.add_events(tenant, [EventView(run_id, 1, "e1", "tether.v1.RunAccepted", 1, "{}")])
+    services = Services(
+        keys=keys, catalog=FakeCatalog(), ledger=FakeLedger(), read_model=read_model, live=_BlockingLive(),
+        publisher=FakePublisher(), limiter=SubmitRateLimiter(1000, 1000), partitioning=handlers.Partitioning(6),
+        max_streams=3, max_streams_per_tenant=2, stream_policy=handlers.StreamPolicy(block_ms=20),
+    )
+    server = start_server(services, port=0, workers=8)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = runs_grpc.RunServiceStub(channel)
+    held = []
+
+    def hold(tenant: str, key: str) -> None:
+        call = stub.StreamRunEvents(runs_pb.StreamRunEventsRequest(run_id=runs[tenant]), metadata=auth(key))
+        assert next(call).event.seq == 1  # the server has taken the slot; the run goes on, so does the call
+        held.append(call)
+
+    def refusal(tenant: str, key: str) -> str:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.StreamRunEvents(runs_pb.StreamRunEventsRequest(run_id=runs[tenant]), metadata=auth(key),
+                                      timeout=10))
+        assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+        return reason_of(err.value)
+
+    try:
+        hold("evil", OTHER_KEY)
+        hold("evil", OTHER_KEY)
+        assert refusal("evil", OTHER_KEY) == "TENANT_TOO_MANY_STREAMS"
+        hold("acme", MEMBER_KEY)  # the other tenant still gets the last slot
+        assert refusal("acme", MEMBER_KEY) == "TOO_MANY_STREAMS"  # now the server is full
+    finally:
+        for call in held:
+            call.cancel()
+        channel.close()
+        server.stop(0)
+
+
+def test_a_tenants_share_of_stream_slots_defaults_to_a_quarter() -> None:
+    def share(max_streams: int, per_tenant: int = 0) -> int:
+        return Services(keys=FakeApiKeys(), catalog=FakeCatalog(), ledger=FakeLedger(), read_model=FakeReadModel(),
+                        live=FakeLiveEvents(), publisher=FakePublisher(), limiter=SubmitRateLimiter(1, 1),
+                        partitioning=handlers.Partitioning(6), max_streams=max_streams,
+                        max_streams_per_tenant=per_tenant).streams_per_tenant()
+
+    assert RunApiSettings.model_fields["max_streams_per_tenant"].default == 0
+    assert (share(32), share(3), share(1), share(32, 5), share(4, 10)) == (8, 1, 1, 5, 4)

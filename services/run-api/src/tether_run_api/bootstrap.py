@@ -105,6 +105,7 @@ def build_app(settings: RunApiSettings, *, stop: threading.Event | None = None) 
         max_request_bytes=settings.max_request_bytes,
         max_trace_events=settings.max_trace_events,
         max_streams=settings.max_streams,
+        max_streams_per_tenant=settings.max_streams_per_tenant,
         auth_cache_s=settings.auth_cache_s,
         forbid_self_approval=settings.forbid_self_approval,
         admission=AdmissionGate(

@@ -23,6 +23,13 @@ class RunApiSettings(ServiceSettings):
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 = ephemeral.")
     grpc_workers: int = Field(64, ge=4, description="Threads serving RPCs (each open event stream holds one).")
     max_streams: int = Field(32, ge=1, description="Concurrent StreamRunEvents calls; more get RESOURCE_EXHAUSTED.")
+    max_streams_per_tenant: int = Field(
+        0,
+        ge=0,
+        description="Concurrent StreamRunEvents calls of one tenant on this replica, so one tenant watching many "
+        "long runs cannot starve the others of MAX_STREAMS; more get RESOURCE_EXHAUSTED / TENANT_TOO_MANY_STREAMS. "
+        "0 = a quarter of MAX_STREAMS (at least 1); capped at MAX_STREAMS.",
+    )
     max_request_bytes: int = Field(MIB, ge=1024, description="Largest request handled (REQUEST_TOO_LARGE above).")
     max_receive_message_bytes: int = Field(
         4 * MIB, ge=1024, description="gRPC transport ceiling; larger messages are refused before any handler runs."

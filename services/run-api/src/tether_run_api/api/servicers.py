@@ -31,7 +31,14 @@ from tether_run_api.api.status import internal_status, rich_status
 from tether_run_api.domain.admission import SubmitRateLimiter
 from tether_run_api.domain.auth import Principal, api_key_from_metadata, hash_api_key
 from tether_run_api.domain.catalog import CatalogLimits
-from tether_run_api.domain.errors import ApiError, MalformedRequest, RequestTooLarge, TooManyStreams, Unauthenticated
+from tether_run_api.domain.errors import (
+    ApiError,
+    MalformedRequest,
+    RequestTooLarge,
+    TenantTooManyStreams,
+    TooManyStreams,
+    Unauthenticated,
+)
 from tether_run_api.domain.runs import RunLimits, SubmitRequest, new_run_id
 from tether_run_api.domain.tenancy import AdmissionGate
 from tether_run_api.ports import ApiKeys, Catalog, CommandPublisher, LiveEvents, ReadModel, SubmitLedger
@@ -57,12 +64,18 @@ class Services:
     max_request_bytes: int = 1024 * 1024
     max_trace_events: int = 10_000
     max_streams: int = 32
+    #: Streams one tenant may hold at once (0: a quarter of max_streams, at least 1), so one tenant
+    #: watching many long runs cannot take every slot from the others.
+    max_streams_per_tenant: int = 0
     auth_cache_s: float = 10.0
     forbid_self_approval: bool = True
     #: The approximate tenant-capacity check at submit (None: only the budget service enforces it).
     admission: AdmissionGate | None = None
     clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000
     new_run_id: Callable[[int], str] | None = None
+
+    def streams_per_tenant(self) -> int:
+        return min(self.max_streams, self.max_streams_per_tenant or max(1, self.max_streams // 4))
 
     def run_id(self, now_ms: int) -> str:
         if self.new_run_id is not None:
@@ -92,6 +105,9 @@ class Gate:
         self._cache: dict[str, tuple[Principal | None, float]] = {}
         self._lock = threading.Lock()
         self._streams = threading.BoundedSemaphore(services.max_streams)
+        self._streams_per_tenant = services.streams_per_tenant()
+        self._tenant_streams: dict[str, int] = {}
+        self._slots_lock = threading.Lock()
 
     def authenticate(self, context: grpc.ServicerContext) -> Principal:
         key_hash = hash_api_key(api_key_from_metadata(context.invocation_metadata() or ()))
@@ -117,14 +133,27 @@ class Gate:
         if size > self.services.max_request_bytes:
             raise RequestTooLarge(size, self.services.max_request_bytes)
 
-    def stream_slot(self) -> None:
-        if not self._streams.acquire(blocking=False):
-            raise TooManyStreams(self.services.max_streams)
+    def stream_slot(self, tenant_id: str) -> None:
+        """Take one of the server's stream slots for the tenant; its own share is checked first, so a
+        tenant at its cap is told so (TENANT_TOO_MANY_STREAMS) even while the server has slots."""
+        with self._slots_lock:
+            held = self._tenant_streams.get(tenant_id, 0)
+            if held >= self._streams_per_tenant:
+                raise TenantTooManyStreams(tenant_id, self._streams_per_tenant)
+            if not self._streams.acquire(blocking=False):
+                raise TooManyStreams(self.services.max_streams)
+            self._tenant_streams[tenant_id] = held + 1
         STREAMS.inc()
 
-    def release_stream_slot(self) -> None:
+    def release_stream_slot(self, tenant_id: str) -> None:
         STREAMS.dec()
-        self._streams.release()
+        with self._slots_lock:
+            left = self._tenant_streams[tenant_id] - 1
+            if left:
+                self._tenant_streams[tenant_id] = left
+            else:
+                del self._tenant_streams[tenant_id]
+            self._streams.release()
 
 
 def _traceparent(context: grpc.ServicerContext) -> str | None:
@@ -164,19 +193,20 @@ def unary(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def server_stream(fn: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
-    """Wrap a server-streaming method like `unary`, holding one of the server's stream slots."""
+    """Wrap a server-streaming method like `unary`, holding one of the server's stream slots (and of the
+    caller's tenant's share of them)."""
     method = fn.__name__
 
     @functools.wraps(fn)
     def wrapper(self: _Servicer, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         status: grpc.Status | None = None
         code = "OK"
-        slot = False
+        slot: str | None = None  # the tenant holding one of the server's stream slots
         try:
             principal = self.gate.authenticate(context)
             self.gate.check_size(request)
-            self.gate.stream_slot()
-            slot = True
+            self.gate.stream_slot(principal.tenant_id)
+            slot = principal.tenant_id
             yield from fn(self, request, context, principal)
         except ApiError as err:
             code = err.category.value
@@ -187,8 +217,8 @@ def server_stream(fn: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[An
             log.exception("rpc_failed", method=method)
             status = internal_status()
         finally:
-            if slot:
-                self.gate.release_stream_slot()
+            if slot is not None:
+                self.gate.release_stream_slot(slot)
             RPCS.labels(method, code).inc()
         if status is not None:
             context.abort_with_status(status)

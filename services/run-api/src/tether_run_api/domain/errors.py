@@ -331,6 +331,19 @@ class TooManyStreams(ApiError):
         super().__init__(f"this server already serves {limit} event streams", limit=limit)
 
 
+class TenantTooManyStreams(ApiError):
+    """The tenant already holds its share of this server's event-stream slots; other tenants still get
+    theirs. Retry shortly, or close a stream (a watch of a run that will not end soon)."""
+
+    category = Category.RESOURCE_EXHAUSTED
+    reason = "TENANT_TOO_MANY_STREAMS"
+    retry_after_s = 1.0
+
+    def __init__(self, tenant_id: str, limit: int) -> None:
+        super().__init__(f"tenant {tenant_id} already has {limit} event streams open on this server",
+                         tenant_id=tenant_id, limit=limit)
+
+
 class TenantQueueFull(ApiError):
     """The tenant already has as many runs in the system (running and queued) as its limits allow;
     retry after `retry_after_s`, when some have finished."""
