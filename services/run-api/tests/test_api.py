@@ -451,3 +451,13 @@ def test_a_tenants_share_of_stream_slots_defaults_to_a_quarter() -> None:
 
     assert RunApiSettings.model_fields["max_streams_per_tenant"].default == 0
     assert (share(32), share(3), share(1), share(32, 5), share(4, 10)) == (8, 1, 1, 5, 4)
+
+
+def test_an_unknown_approval_status_is_a_field_violation_not_pending(harness: Harness) -> None:
+    # proto3 enums are open: a number this server does not know reaches it as is, and must not be
+    # read as UNSPECIFIED (which lists PENDING).
+    with pytest.raises(grpc.RpcError) as err:
+        harness.approvals.ListApprovals(approvals_pb.ListApprovalsRequest(status=99), metadata=auth(MEMBER_KEY))
+    assert _violated_fields(err.value) == {"status"}
+    assert harness.approvals.ListApprovals(approvals_pb.ListApprovalsRequest(
+        status=approvals_pb.APPROVAL_STATUS_UNSPECIFIED), metadata=auth(MEMBER_KEY)).approvals == []

@@ -33,6 +33,15 @@ _APPROVAL_TO_PB = {
 APPROVAL_FROM_PB = {v: k for k, v in _APPROVAL_TO_PB.items()}
 
 
+def approval_status_filter(value: int) -> str:
+    """ListApprovals' status: "" for UNSPECIFIED (the handler's default), the name of a known value, and
+    for a number this server does not know (proto3 enums are open) the number itself, which the handler
+    refuses as a field violation rather than reading it as the default."""
+    if value == approvals_pb.APPROVAL_STATUS_UNSPECIFIED:
+        return ""
+    return APPROVAL_FROM_PB.get(value, str(value))
+
+
 _MAX_TS_MS = 253402300799_000  # 9999-12-31T23:59:59Z, the largest protobuf Timestamp
 
 

@@ -365,7 +365,7 @@ class ApprovalService(_Servicer, approvals_grpc.ApprovalServiceServicer):
     def ListApprovals(self, request, context, principal):  # noqa: N802
         now = self.s.clock_ms()  # one instant for the filter and the statuses shown
         rows, token = handlers.list_approvals(
-            convert.APPROVAL_FROM_PB.get(request.status, ""), request.run_id, request.page_size, request.page_token,
+            convert.approval_status_filter(request.status), request.run_id, request.page_size, request.page_token,
             principal=principal, read_model=self.s.read_model, now_ms=now,
         )
         return approvals_pb.ListApprovalsResponse(approvals=[convert.approval_pb(a, now) for a in rows],
