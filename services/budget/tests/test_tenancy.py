@@ -7,6 +7,7 @@ import pytest
 from tether_budget.domain.ledger import Ledger, RunStatus
 from tether_budget.domain.tenancy import TenantLedger
 from tether_contracts.records import (
+    ModelCallFailed,
     RunAccepted,
     RunQueued,
     RunRejected,
@@ -15,6 +16,7 @@ from tether_contracts.records import (
     StepGranted,
     TenantLimits,
     ToolCallBudgeted,
+    Usage,
 )
 from tether_messaging.errors import Unprocessable
 
@@ -198,8 +200,11 @@ def test_a_grant_held_by_the_spend_of_calls_in_flight_waits_for_the_windows_end(
     limits = cap(5, 5, spend_cap_usd_micros=1_500, spend_window_ms=60_000)
     window_end = harness.driver.now_ms - harness.driver.now_ms % 60_000 + 60_000
     harness.driver.now_ms = window_end - 59_000
+    harness.submit("w", limits=limits)  # a call seen earlier: two grants may be in flight (slow start)
+    harness.model(1, 0, "w", cost=1, text="hi")
+    harness.complete("w")
     harness.submit("r1", limits=limits)
-    harness.model(1, 1, "r1", cost=1_000)  # the lane's first usage: grants reserve about 1,000 from now on
+    harness.model(1, 1, "r1", cost=1_000)  # the latest usage: grants reserve 1,000 from now on
     harness.submit("r2", limits=limits)  # 1,000 spent + 1,000 reserved for r2's call, in flight all window
     harness.request(1, 0, "r1")
     out = harness.done("1.0", "r1")
@@ -401,3 +406,60 @@ def test_a_run_finishing_a_step_between_ticks_does_not_overtake_the_deferred_lin
     assert types(harness.log_payloads("r1"))[-2:] == ["StepDeferred", "StepGranted"]
     assert harness.tenant().deferred == ["r2"]
     assert harness.tick() == []  # the refill went to r1; r2 waits for the next one
+
+
+def _granted(harness, runs) -> list[str]:
+    return [r for r in runs if harness.ledger(r).open and harness.ledger(r).current is not None
+            and not harness.ledger(r).current.model_done]
+
+
+def _drive(harness, runs, *, tokens: int, cost: int, seconds: int = 600) -> tuple[float, int]:
+    """Every granted model call returns at once with `tokens`/`cost` and its run completes; the
+    budget ticks once a second. Returns the lowest bucket level seen and the peak of calls in flight."""
+    lowest, peak = float("inf"), 0
+    for _ in range(seconds):
+        granted = _granted(harness, runs)
+        peak = max(peak, len(granted))
+        for run in granted:
+            harness.model(harness.ledger(run).step, 0, run, tokens=tokens, cost=cost, text="done")
+            harness.complete(run, step=harness.ledger(run).step)
+            if harness.tenant().tokens is not None:
+                lowest = min(lowest, harness.tenant().tokens)
+        harness.driver.now_ms += 1_000
+        harness.tick()
+    return lowest, peak
+
+
+def test_a_first_model_call_without_usage_does_not_release_the_deferred_line(harness):
+    # 20 runs on 1,000 tokens/min and a 10,000 µUSD cap; the lane's first model call fails
+    # with no usage (a provider 503). Counted as a sample, it made the estimate "known" at 0,
+    # every reservation 1 token / 1 µUSD, and all 19 waiting grants went in one transaction:
+    # the bucket ended at -8,500 and 17,100 µUSD were spent.
+    limits = cap(100, 0, tokens_per_minute=1_000, spend_cap_usd_micros=10_000)
+    runs = [f"r{i}" for i in range(1, 21)]
+    for run in runs:
+        harness.submit(run, limits=limits)
+    assert _granted(harness, runs) == ["r1"]
+    harness.intake(ModelCallFailed(step=1, error_code="PROVIDER_ERROR", detail="503", attempts=3, usage=Usage()),
+                   "r1", what=("ModelCallFailed", 1), producer="planner")
+    assert harness.tenant().usage_samples == 0
+    assert _granted(harness, runs) == ["r2"]  # still one at a time: the lane knows nothing yet
+    lowest, _ = _drive(harness, runs, tokens=500, cost=900)
+    # About one call past each limit, as docs/tenancy.md says, not one per waiting run.
+    assert lowest >= -500
+    assert harness.tenant().spent_usd_micros <= 10_000 + 900
+
+
+def test_one_tiny_first_sample_does_not_open_the_gate_for_many(harness):
+    # The lane's first call answers in 10 tokens, then every call uses 500. On the average of
+    # that one sample (10) 29 grants went at once and the bucket fell to -13,510.
+    limits = cap(100, 0, tokens_per_minute=1_000)
+    runs = [f"r{i}" for i in range(1, 31)]
+    for run in runs:
+        harness.submit(run, limits=limits)
+    harness.model(1, 0, "r1", tokens=10, text="hi")
+    harness.complete("r1")
+    assert len(_granted(harness, runs)) == 1  # as many in flight as calls seen
+    lowest, peak = _drive(harness, runs[1:], tokens=500, cost=0)
+    assert lowest >= -500  # about one call's error, not 29 calls'
+    assert harness.tenant().reservation() == 500  # the latest call counts at once, not after the average catches up

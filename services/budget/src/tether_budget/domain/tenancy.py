@@ -56,11 +56,15 @@ class TenantLedger(BaseModel):
     spend_reserved_usd_micros: int = Field(0, ge=0, description="Expected cost of granted model calls that have "
                                            "not returned yet (checked with the spend against the cap).")
     step_cost_estimate: float = Field(0.0, description="Moving average of µUSD per model call.")
+    last_step_cost: int = Field(0, ge=0, description="µUSD of the latest model call that cost something.")
     tokens: float | None = Field(None, description="Token bucket level (None = full); negative after overuse.")
     tokens_at_ms: int = 0
     step_tokens_estimate: float = Field(0.0, description="Moving average of tokens per model call.")
-    usage_samples: int = Field(0, ge=0, description="Model calls whose usage was recorded on this lane (until one "
-                               "was, the estimate is unknown and one grant at a time takes a reservation).")
+    last_step_tokens: int = Field(0, ge=0, description="Tokens of the latest model call that used any.")
+    usage_samples: int = Field(0, ge=0, description="Model calls that reported a usage above zero on this lane. "
+                               "At most this many grants (at least one) hold a reservation at a time: until one "
+                               "was recorded the estimate is unknown, and one tiny sample must not open the gate "
+                               "for many.")
     reservations_open: int = Field(0, ge=0, description="Grants holding a token reservation whose model call has "
                                    "not returned yet.")
 
@@ -169,8 +173,11 @@ class TenantLedger(BaseModel):
         return self.spent_usd_micros
 
     def cost_reservation(self) -> int:
-        """The µUSD a grant reserves under a spend cap: the moving average of a model call's (at least 1)."""
-        return max(1, round(self.step_cost_estimate)) if self.limits.spend_cap_usd_micros > 0 else 0
+        """The µUSD a grant reserves under a spend cap: the moving average of a model call's or the
+        latest call's, whichever is larger (at least 1)."""
+        if self.limits.spend_cap_usd_micros <= 0:
+            return 0
+        return max(1, round(self.step_cost_estimate), self.last_step_cost)
 
     def _spend_held(self, now_ms: int) -> bool:
         # Under the cap, but the calls granted and not returned are expected to reach it: the
@@ -201,13 +208,10 @@ class TenantLedger(BaseModel):
         """Tokens the tenant may still start model calls with now (inf without a rate cap)."""
         return self._refill(now_ms)
 
-    @property
-    def estimate_known(self) -> bool:
-        return self.usage_samples > 0 or self.step_tokens_estimate > 0
-
     def reservation(self) -> int:
-        """The tokens a grant reserves: the moving average of a model call's (at least 1)."""
-        return max(1, round(self.step_tokens_estimate))
+        """The tokens a grant reserves: the moving average of a model call's or the latest call's,
+        whichever is larger (at least 1), so calls growing past the average are reserved at once."""
+        return max(1, round(self.step_tokens_estimate), self.last_step_tokens)
 
     def _limits_calls(self) -> bool:
         return self.limits.tokens_per_minute > 0 or self.limits.spend_cap_usd_micros > 0
@@ -220,8 +224,12 @@ class TenantLedger(BaseModel):
         # usage is recorded bounds the overshoot by that one call, which keeps the promise of
         # bursts of (about) one minute's worth; the price is the latency of one model call, once
         # per lane.
+        # One sample is not much better: a 10-token first answer made every later reservation
+        # 10 tokens and let 29 grants through at once. So no more grants hold a reservation
+        # than calls have reported usage (slow start: each returned call lets one more go), and
+        # a call that reported none (a provider error) is no sample.
         # The same holds for the spend cap's cost reservations.
-        return self._limits_calls() and not self.estimate_known and self.reservations_open > 0
+        return self._limits_calls() and self.reservations_open >= max(1, self.usage_samples)
 
     def _needed(self) -> float:
         # A call larger than a minute's worth still goes once the bucket is full, or never would.
@@ -328,13 +336,16 @@ class TenantLedger(BaseModel):
         if reserved_tokens or reserved_cost:
             self.reservations_open = max(0, self.reservations_open - 1)
             self.spend_reserved_usd_micros = max(0, self.spend_reserved_usd_micros - reserved_cost)
-        self.usage_samples += 1
+        if tokens > 0 or cost_usd_micros > 0:
+            self.usage_samples += 1
         if cost_usd_micros > 0:
+            self.last_step_cost = cost_usd_micros
             self.step_cost_estimate = (
                 float(cost_usd_micros) if self.step_cost_estimate <= 0
                 else (1 - ESTIMATE_WEIGHT) * self.step_cost_estimate + ESTIMATE_WEIGHT * cost_usd_micros
             )
         if tokens > 0:
+            self.last_step_tokens = tokens
             self.step_tokens_estimate = (
                 float(tokens) if self.step_tokens_estimate <= 0
                 else (1 - ESTIMATE_WEIGHT) * self.step_tokens_estimate + ESTIMATE_WEIGHT * tokens
