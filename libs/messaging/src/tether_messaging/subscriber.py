@@ -23,7 +23,12 @@ run event log (a dashboard, a billing feed, a search index) needs much less, and
   dropped and not fatal; a record that is not an envelope at all (or whose payload is not the
   event type its envelope names) raises `UndecodableRecord` naming where it is, or is skipped and
   counted with `skip_undecodable=True`. A schema registry outage is not such a record: it raises
-  `SchemaRegistryUnavailable` and the subscriber stays where it is.
+  `SchemaRegistryUnavailable` and the subscriber stays where it is;
+- a **client error** the consumer hands over in place of a record: a non-fatal one (a broker down,
+  a partition leader moving; librdkafka retries it itself) is logged and counted in
+  `consume_errors` and the records around it are delivered; a fatal one raises `KafkaException`,
+  after moving the consumer back to the first record of each partition not handed over, so
+  nothing `poll()` had collected is passed by.
 """
 
 from __future__ import annotations
@@ -133,6 +138,9 @@ class Subscriber:
         #: Partitions taken away during the poll() in progress: their events are not handed over.
         self._revoked_in_poll: set[tuple[str, int]] = set()
         self.skipped_undecodable = 0
+        #: Non-fatal errors the client handed to consume() (a broker down, a partition leader moving):
+        #: logged and counted, the client retries them itself; the records around them are delivered.
+        self.consume_errors = 0
         self.passed_over = 0
         #: Commits put off by a rebalance (`_COMMIT_DEFERRED`): their positions go with a later commit,
         #: or a partition that moved is read again by its next owner.
@@ -203,9 +211,14 @@ class Subscriber:
                 except (UndecodableRecord, SchemaRegistryUnavailable):
                     # Read again from this record (and whatever came after it in this fetch), so
                     # nothing is passed by: hand over what decoded before it, then stop at it.
-                    self._rewind(msgs[i:])
+                    self._rewind([], msgs[i:])
                     if out:
                         return out
+                    raise
+                except KafkaException:
+                    # A fatal client error: nothing collected is handed over, so a retry (a new
+                    # subscriber of the group, or this one) must meet all of it again.
+                    self._rewind(out, msgs[i:])
                     raise
                 if event is not None:
                     out.append(event)
@@ -213,19 +226,34 @@ class Subscriber:
                 break
         return out
 
-    def _rewind(self, msgs: Sequence[Any]) -> None:
+    def _rewind(self, dropped: Sequence[SubscribedEvent], msgs: Sequence[Any]) -> None:
+        # Back to the first record of each partition not handed over: the events collected but
+        # dropped, then the records not looked at yet (both in offset order per partition).
         first: dict[tuple[str, int], int] = {}
+        for e in dropped:
+            first.setdefault((e.topic, e.partition), e.offset)
         for m in msgs:
             if not m.error():
                 first.setdefault((m.topic(), m.partition()), m.offset())
         for (topic, partition), offset in first.items():
+            if (topic, partition) in self._revoked_in_poll:
+                continue  # not ours: its next owner reads it from its committed offset
+            self._returned[(topic, partition)] = min(offset, self._returned.get((topic, partition), offset))
             self._consumer.seek(TopicPartition(topic, partition, offset))
 
     def _take(self, m: Any) -> SubscribedEvent | None:
         if m.error():
-            if m.error().code() == KafkaError._PARTITION_EOF:
+            error = m.error()
+            if error.code() == KafkaError._PARTITION_EOF:
                 return None
-            raise KafkaException(m.error())
+            if error.fatal():
+                raise KafkaException(error)
+            # librdkafka hands non-fatal errors (a broker down, a leader moving) to consume() when
+            # no error_cb is set, and retries them itself: the records around them are still good.
+            self.consume_errors += 1
+            log.warning("subscriber_consume_error", error=error.str(), code=error.name(),
+                        topic=m.topic(), partition=m.partition())
+            return None
         topic, partition, offset = m.topic(), m.partition(), m.offset()
         key = (topic, partition)
         # Not past it until it is returned or passed over: a restart meets it again.
