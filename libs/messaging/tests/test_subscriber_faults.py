@@ -1,4 +1,4 @@
-"""Subscriber faults without a broker: client errors inside a fetch."""
+"""Subscriber faults without a broker: client errors inside a fetch and a partition moving back within one poll()."""
 
 from __future__ import annotations
 
@@ -149,3 +149,20 @@ def test_a_fatal_client_error_raises_and_a_retry_delivers_every_record(sub):
     assert set(fake.committed.values()) <= {0}
     assert sorted(drain(sub)) == [(0, o) for o in range(6)] + [(1, 0), (1, 1)]
 
+
+def test_a_partition_taken_away_and_given_back_within_one_poll_is_read_again_from_its_committed_offset(sub):
+    fake: FakeConsumer = sub._consumer
+    fake.log = {0: 5, 1: 1}
+    fake.script = [lambda c: c.fetched(0, range(0, 2))]
+    assert [e.offset for e in sub.poll(0.05, max_events=2)] == [0, 1]
+
+    def rebalance(c: FakeConsumer) -> list[Record]:
+        c.fetched(0, range(2, 3))  # fetched, then dropped by the revoke
+        c.revoke([0])  # commits 2: 0 and 1 were handled
+        c.assign_back([0, 1])  # from the committed offset again, and another partition
+        return c.fetched(1, range(0, 1))
+
+    fake.script = [rebalance]
+    assert sorted(drain(sub)) == [(0, o) for o in range(2, 5)] + [(1, 0)]
+    sub.commit()
+    assert fake.committed == {0: 5, 1: 1}

@@ -135,8 +135,12 @@ class Subscriber:
         #: Next offset per (topic, partition) past every record known handled: what may be committed
         #: while an event could still be in a handler's hands (a rebalance, an exception).
         self._handled: dict[tuple[str, int], int] = {}
-        #: Partitions taken away during the poll() in progress: their events are not handed over.
+        #: Partitions taken away during the poll() in progress and not assigned again: their records
+        #: are not handed over.
         self._revoked_in_poll: set[tuple[str, int]] = set()
+        #: Partitions taken away since poll() last looked (even if assigned again since): the events of
+        #: theirs it collected before are dropped (their next owner, maybe this one, reads them again).
+        self._taken_away: set[tuple[str, int]] = set()
         self.skipped_undecodable = 0
         #: Non-fatal errors the client handed to consume() (a broker down, a partition leader moving):
         #: logged and counted, the client retries them itself; the records around them are delivered.
@@ -158,14 +162,23 @@ class Subscriber:
         }
         config.update(consumer_config or {})
         self._consumer = Consumer(config)
-        self._consumer.subscribe(list(topics), on_revoke=self._on_revoke, on_lost=self._on_lost)
+        self._consumer.subscribe(list(topics), on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                 on_lost=self._on_lost)
 
     # -- the group -------------------------------------------------------------------------------
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Ours again (maybe within the poll() that took them away): the client reads them from their
+        # committed offsets, so what it fetches from now on is handed over.
+        assigned = {(tp.topic, tp.partition) for tp in partitions}
+        self._revoked_in_poll -= assigned
+        self._forget(assigned)
+
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Hand over cleanly, but only what was handled: this runs inside poll(), while events of
         # these partitions may sit in the batch being collected, handed to nobody yet.
         revoked = {(tp.topic, tp.partition) for tp in partitions}
         self._revoked_in_poll |= revoked
+        self._taken_away |= revoked
         self._commit_positions(self._handled, revoked)
         self._forget(revoked)
 
@@ -173,6 +186,7 @@ class Subscriber:
         # The session expired: another member may own them already; committing could go backwards.
         lost = {(tp.topic, tp.partition) for tp in partitions}
         self._revoked_in_poll |= lost
+        self._taken_away |= lost
         self._forget(lost)
 
     def _forget(self, keys: Collection[tuple[str, int]]) -> None:
@@ -190,6 +204,7 @@ class Subscriber:
         Calling it declares the events earlier calls returned handled (see the class docstring)."""
         self._handled.update(self._returned)
         self._revoked_in_poll = set()
+        self._taken_away = set()
         out: list[SubscribedEvent] = []
         deadline = time.monotonic() + timeout_s
         while len(out) < max_events:
@@ -197,12 +212,14 @@ class Subscriber:
             # Wait until there are events; then take only what is already fetched.
             want = min(max_events - len(out), CONSUME_CHUNK)
             msgs = self._consumer.consume(want, timeout=max(left, 0) if not out else 0)
-            if self._revoked_in_poll:
+            if self._taken_away:
                 # A rebalance inside consume() took partitions away: their next owner reads them
-                # from what was committed, so nothing of theirs is handed over here.
-                gone = self._revoked_in_poll
+                # from what was committed, so nothing collected of theirs is handed over here. One
+                # assigned again meanwhile is read again from its committed offset.
+                gone, self._taken_away = self._taken_away, set()
                 out = [e for e in out if (e.topic, e.partition) not in gone]
-                msgs = [m for m in msgs if m.error() or (m.topic(), m.partition()) not in gone]
+            if self._revoked_in_poll:
+                msgs = [m for m in msgs if m.error() or (m.topic(), m.partition()) not in self._revoked_in_poll]
             if not msgs:
                 break
             for i, m in enumerate(msgs):
