@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -27,6 +28,7 @@ from tether_contracts.records import (
     ToolSpec,
 )
 from tether_messaging.envelopes import derived_id, make_envelope
+from tether_messaging.serde import encode
 from tether_messaging.testing import Emitted, InMemoryDriver
 from tether_messaging.topics import RUN_EVENTS, RUN_INTAKE, Topics
 from tether_modelserver import ModelServer, bundled_scenarios_dir, load_scenarios
@@ -258,6 +260,67 @@ class Harness:
 
     def close(self) -> None:
         self.providers.close()
+
+
+#: A tool that takes any object: the answer's shape, not the tool's schema, is under test.
+OPEN_TOOLS = [tool("anything", json.dumps({"type": "object"}))]
+Answer = dict[str, Any] | bytes | Callable[[httpx.Request], httpx.Response]
+
+
+class _NoServer:
+    base_url = "http://model.invalid/v1"
+    url = "http://model.invalid"
+
+    def requests(self) -> list[dict[str, Any]]:
+        return []
+
+
+class Mocked(Harness):
+    """A harness whose adapters get their answers, in order, from `answers`."""
+
+    def __init__(self, answers: list[Answer], **kw: Any) -> None:
+        super().__init__(_NoServer(), **kw)  # type: ignore[arg-type]
+        pending = iter(answers)
+        self.http_requests: list[httpx.Request] = []
+
+        def handler(request: httpx.Request) -> httpx.Response:
+            self.http_requests.append(request)
+            answer = next(pending)
+            if callable(answer):
+                return answer(request)
+            if isinstance(answer, bytes):
+                return httpx.Response(200, content=answer, headers={"content-type": "application/json"})
+            return httpx.Response(200, json=answer)
+
+        for name in ("openai", "anthropic"):
+            adapter = self.providers.get(name)
+            adapter._client = httpx.Client(transport=httpx.MockTransport(handler))
+            adapter._sleep = lambda _s: None
+
+    def run(self, *, open_tools: bool = False, model: ModelRef = SCRIPTED) -> list[AvroRecord]:
+        self.accept("r1", "fetch https://example.com", tools=OPEN_TOOLS if open_tools else None, model=model)
+        self.grant("r1", 1)
+        out = self.work()
+        state = self.driver.states.get("r1")
+        assert state is None or state.pending is None, "the step was left pending"
+        for payload in out:
+            encode(payload)  # everything emitted can be written
+        return out
+
+
+@pytest.fixture
+def mock_model() -> Iterator[Callable[..., Mocked]]:
+    """Harnesses whose model answers are given (bodies, raw bytes or handlers), in order."""
+    made: list[Mocked] = []
+
+    def make(answers: list[Answer], **kw: Any) -> Mocked:
+        h = Mocked(answers, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
 
 
 @pytest.fixture

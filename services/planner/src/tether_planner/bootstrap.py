@@ -81,6 +81,9 @@ def build_deps(
             keep_turns=settings.compaction_keep_turns,
             summary_max_chars=settings.summary_max_chars,
             state_max_bytes=settings.state_max_bytes,
+            max_tool_calls=settings.max_tool_calls,
+            max_tool_args_bytes=settings.max_tool_args_bytes,
+            max_text_bytes=settings.max_text_bytes,
         ),
         limits=Limits(
             assistant_text_max_chars=settings.assistant_text_max_chars,

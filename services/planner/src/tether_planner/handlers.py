@@ -34,6 +34,7 @@ from tether_contracts.records import (
 )
 from tether_messaging.envelopes import derived_id
 from tether_messaging.processor import Context, Inbound, WorkDone
+from tether_messaging.serde import encode
 from tether_messaging.topics import Topics
 from tether_planner.checkpoint import StateBound, fit, limit, measure
 from tether_planner.domain import state as st
@@ -44,7 +45,17 @@ from tether_planner.domain.tool_results import ScanOnce
 from tether_planner.metrics import PlannerMetrics
 from tether_planner.pricing import PricingTable
 from tether_planner.providers.registry import ProviderRegistry
-from tether_planner.step import PROVIDER_ERROR, StepConfig, StepFailed, StepInput, StepResult, StepSucceeded, run_step
+from tether_planner.step import (
+    MALFORMED_OUTPUT,
+    PROVIDER_ERROR,
+    StepConfig,
+    StepFailed,
+    StepInput,
+    StepResult,
+    StepSucceeded,
+    clean_text,
+    run_step,
+)
 
 PRODUCER = "planner"
 
@@ -320,16 +331,60 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
     else:
         result = done.result
     cause = state.pending.granted_event_id
+    try:
+        records, new_state = _outcome(result, step, run_id, state, deps)
+        for payload, _ in records:
+            encode(payload)  # what the loop cannot write must not leave the step pending
+        _observe(result, state.model.provider, state.model.name, deps)
+    except Exception as exc:
+        # A model answer the planner cannot turn into events (a bug, or input no check caught) still
+        # ends the step, with the usage the calls cost: never a dead-lettered work item, nothing emitted.
+        log.error("step_outcome_unrecordable", run_id=run_id, step=step, error=type(exc).__name__)
+        result = StepFailed(
+            step,
+            MALFORMED_OUTPUT,
+            clean_text(deps.scrub(f"UNRECORDABLE: the model's answer could not be recorded: {type(exc).__name__}: {exc}")),
+            _plausible(result.usage),
+            max(0, min(result.attempts, 2**31 - 1)),
+            result.compacted,
+            result.priced,
+            max(0, result.model_calls),
+        )
+        records, new_state = _outcome(result, step, run_id, state, deps)
+        _observe(result, state.model.provider, state.model.name, deps)
+    for payload, what in records:
+        _emit(ctx, deps, payload, run_id, state, what, cause)
+    if state.ended:
+        log.info("model_call_recorded_after_run_end", run_id=run_id, step=step)
+        ctx.put_state(run_id, None)
+        return
+    # The step's answer and repairs joined the context: its checkpoint is fitted again, with room
+    # for the results of the calls it requested.
+    _put(ctx, deps, run_id, state, new_state, awaiting=st.awaiting_results(new_state))
+
+
+def _plausible(u: UsageTotals) -> UsageTotals:
+    """Usage that can be recorded: each count within [0, 2**62)."""
+
+    def bound(v: object) -> int:
+        return max(0, min(v, 2**62 - 1)) if isinstance(v, int) else 0
+
+    return UsageTotals(
+        input_tokens=bound(u.input_tokens), output_tokens=bound(u.output_tokens), cost_usd_micros=bound(u.cost_usd_micros)
+    )
+
+
+def _outcome(
+    result: StepResult, step: int, run_id: str, state: st.RunState, deps: Deps
+) -> tuple[list[tuple[AvroRecord, tuple]], st.RunState]:
+    """The step's records (payload, derived-id parts) and the state that marks the step done."""
+    records: list[tuple[AvroRecord, tuple]] = []
     model = ModelRef(
         provider=state.model.provider, name=state.model.name, context_window_tokens=state.model.context_window_tokens
     )
-    provider = state.model.provider
-    _observe(result, provider, state.model.name, deps)
     if isinstance(result, StepSucceeded):
         text = deps.scrub(result.text)
-        _emit(
-            ctx,
-            deps,
+        records.append((
             ModelCallCompleted(
                 step=step,
                 model=model,
@@ -341,18 +396,13 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
                 attempts=max(1, result.attempts),
                 compacted=result.compacted,
             ),
-            run_id,
-            state,
             (step,),
-            cause,
-        )
+        ))
         # The run ended while the model was thinking (cancel, cap): the call's usage is recorded,
         # but nothing it proposed is: no tool call is requested and no answer given for an ended run.
         for c in [] if state.ended else result.calls:
             cid = call_id(step, c.call_index)
-            _emit(
-                ctx,
-                deps,
+            records.append((
                 ToolCallRequested(
                     step=step,
                     call=ToolCall(
@@ -366,25 +416,17 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
                     ),
                     provenance_json=c.provenance_json,
                 ),
-                run_id,
-                state,
                 (cid,),
-                cause,
-            )
+            ))
         if result.final and not state.ended:
-            _emit(
-                ctx,
-                deps,
+            records.append((
                 RunCompleted(
                     step=step,
                     answer=text[: deps.limits.answer_max_chars],
                     usage=_usage(state.usage + result.usage),
                 ),
-                run_id,
-                state,
                 (step,),
-                cause,
-            )
+            ))
         log.info(
             "step_planned",
             run_id=run_id,
@@ -403,28 +445,17 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
         )
     else:
         detail = deps.scrub(result.detail)[: deps.limits.detail_max_chars]
-        _emit(
-            ctx,
-            deps,
+        records.append((
             ModelCallFailed(
                 step=step, error_code=result.error_code, detail=detail, attempts=result.attempts, usage=_usage(result.usage)
             ),
-            run_id,
-            state,
             (step,),
-            cause,
-        )
+        ))
         log.warning("step_failed", run_id=run_id, step=step, error_code=result.error_code, detail=detail)
         new_state = st.finish_step(
             state, step, messages=result.messages, base_len=result.base_len, usage=result.usage, final=False
         )
-    if state.ended:
-        log.info("model_call_recorded_after_run_end", run_id=run_id, step=step)
-        ctx.put_state(run_id, None)
-        return
-    # The step's answer and repairs joined the context: its checkpoint is fitted again, with room
-    # for the results of the calls it requested.
-    _put(ctx, deps, run_id, state, new_state, awaiting=st.awaiting_results(new_state))
+    return records, new_state
 
 
 def _observe(result: StepResult, provider: str, model: str, deps: Deps) -> None:

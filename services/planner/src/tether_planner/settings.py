@@ -51,6 +51,17 @@ class PlannerSettings(LoopServiceSettings):
     # -- the step -----------------------------------------------------------------------------
     max_output_tokens: int = Field(4096, ge=1, description="Upper bound of max_tokens (also bounded by the grant).")
     malformed_limit: int = Field(3, ge=1, description="Consecutive invalid responses after which the step fails.")
+    max_tool_calls: int = Field(
+        64, ge=1, description="Most tool calls one model answer may make; more is a malformed answer (asked again)."
+    )
+    max_tool_args_bytes: int = Field(
+        65_536, ge=1024, le=512_000,
+        description="Most UTF-8 bytes of one tool call's arguments; larger is a malformed answer (asked again).",
+    )
+    max_text_bytes: int = Field(
+        262_144, ge=1024, le=512_000,
+        description="Most UTF-8 bytes of a model answer's text; larger is a malformed answer (asked again).",
+    )
     compaction_keep_turns: int = Field(2, ge=1, description="Turns kept verbatim when compacting.")
     summary_max_chars: int = Field(6000, ge=200, description="Cap on the summary that replaces compacted turns.")
     state_max_bytes: int = Field(

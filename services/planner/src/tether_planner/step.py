@@ -65,6 +65,22 @@ class StepConfig:
     #: record (checkpoint.fit): a working context over it is compacted whatever the model's
     #: window. Under Kafka's 1,000,000-byte record limit.
     state_max_bytes: int = 512 * 1024
+    #: Bounds on one model answer (untrusted input): more tool calls, larger arguments or text make
+    #: it a malformed answer (asked again within `malformed_limit`, then MALFORMED_OUTPUT), so that
+    #: no record or checkpoint it would produce is too large for the loop to write.
+    max_tool_calls: int = 64
+    max_tool_args_bytes: int = 64 * 1024
+    max_text_bytes: int = 256 * 1024
+
+
+#: A token count a provider reports above this (for one call) is clamped to it: no model reads or
+#: writes that many tokens in a call, and a larger count would overflow the recorded usage and cost.
+MAX_TOKENS_PER_CALL = 100_000_000
+
+#: Codes at the start of a MALFORMED_OUTPUT detail for an answer refused as a whole (not its calls).
+TOO_MANY_TOOL_CALLS = "TOO_MANY_TOOL_CALLS"
+ARGS_TOO_LARGE = "ARGS_TOO_LARGE"
+TEXT_TOO_LARGE = "TEXT_TOO_LARGE"
 
 
 @dataclass(frozen=True)
@@ -164,6 +180,45 @@ def _checkpoint_size(inp: StepInput, messages: Sequence[ChatMessage], budget: in
         ]
     )
     return checkpoint_size(data, budget=budget)
+
+
+def clean_text(text: str) -> str:
+    """`text` as valid Unicode: a lone surrogate (JSON "\\ud800" decodes to one; UTF-8 cannot encode
+    it, so no record or checkpoint could hold it) becomes U+FFFD, as at the tool gateway; a
+    surrogate pair split by streaming is joined again."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _tokens(value: int | None) -> int | None:
+    """A reported token count as a non-negative int at most MAX_TOKENS_PER_CALL; anything else
+    (negative, not an int) counts as not reported, so the step estimates it instead."""
+    if value is None or isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return min(value, MAX_TOKENS_PER_CALL)
+
+
+def _clean_calls(calls: Sequence[RawToolCall]) -> list[RawToolCall]:
+    return [RawToolCall(clean_text(c.id), clean_text(c.name), clean_text(c.arguments)) for c in calls]
+
+
+def _over_limit(text: str, calls: Sequence[RawToolCall], config: StepConfig) -> tuple[str, str] | None:
+    """(code, detail) when the answer is larger than the planner takes from a model."""
+    if len(calls) > config.max_tool_calls:
+        return TOO_MANY_TOOL_CALLS, f"{len(calls)} tool calls in one answer; the limit is {config.max_tool_calls}"
+    for c in calls:
+        size = len(c.arguments.encode("utf-8"))
+        if size > config.max_tool_args_bytes:
+            return ARGS_TOO_LARGE, (
+                f"the arguments of a call to {c.name[:100]!r} are {size} bytes; the limit is {config.max_tool_args_bytes}"
+            )
+    size = len(text.encode("utf-8"))
+    if size > config.max_text_bytes:
+        return TEXT_TOO_LARGE, f"the answer's text is {size} bytes; the limit is {config.max_text_bytes}"
+    return None
 
 
 def _unique_ids(calls: Sequence[RawToolCall], step: int, model_call: int) -> list[RawToolCall]:
@@ -316,9 +371,16 @@ def run_step(
             tally.attempts += exc.attempts
             return failed(exc.code, exc.detail)
 
-        calls = _unique_ids(response.tool_calls, inp.step, request.call)
-        input_tokens = response.input_tokens if response.input_tokens is not None else estimated
-        output_tokens = response.output_tokens if response.output_tokens is not None else _estimate_output(response.text, calls)
+        text = clean_text(response.text)
+        calls = _unique_ids(_clean_calls(response.tool_calls), inp.step, request.call)
+        reported_in, reported_out = _tokens(response.input_tokens), _tokens(response.output_tokens)
+        if (reported_in, reported_out) != (response.input_tokens, response.output_tokens):
+            log.warning(
+                "usage_not_plausible", run_id=inp.run_id, step=inp.step,
+                input_tokens=str(response.input_tokens)[:40], output_tokens=str(response.output_tokens)[:40],
+            )
+        input_tokens = reported_in if reported_in is not None else estimated
+        output_tokens = reported_out if reported_out is not None else _estimate_output(text, calls)
         cost = pricing.cost(inp.model.name, input_tokens, output_tokens)
         tally.usage = tally.usage + UsageTotals(
             input_tokens=input_tokens, output_tokens=output_tokens, cost_usd_micros=cost.usd_micros
@@ -326,6 +388,15 @@ def run_step(
         tally.attempts += response.attempts
         tally.latency_ms += response.latency_ms
         tally.priced = tally.priced and cost.priced
+
+        over = _over_limit(text, calls, config)
+        if over is not None:
+            # Nothing of an oversized answer is kept (it could not be recorded): the model is asked again.
+            failures += 1
+            log.info("malformed_answer", run_id=inp.run_id, step=inp.step, failures=failures, code=over[0], detail=over[1])
+            if failures >= config.malformed_limit:
+                return failed(MALFORMED_OUTPUT, f"{over[0]}: {failures} consecutive unusable responses; last: {over[1]}")
+            continue
 
         # A response the provider stopped (content filter, refusal) or cut off at max_tokens is not
         # an answer: a cut-off text would end the run COMPLETED with half an answer, and cut-off
@@ -335,7 +406,7 @@ def run_step(
             return failed(
                 PROVIDER_ERROR,
                 "the provider stopped the response (content filter or refusal, finish_reason error)"
-                + _excerpt(response.text),
+                + _excerpt(text),
             )
         if response.finish_reason == FINISH_LENGTH and (not calls or request.max_tokens < config.max_output_tokens):
             limit = "the run's remaining token budget" if request.max_tokens < config.max_output_tokens else (
@@ -344,12 +415,12 @@ def run_step(
             return failed(
                 MALFORMED_OUTPUT,
                 f"truncated: the response was cut off at max_tokens={request.max_tokens} ({limit}), "
-                f"finish_reason length, {'with' if calls else 'no'} tool calls" + _excerpt(response.text),
+                f"finish_reason length, {'with' if calls else 'no'} tool calls" + _excerpt(text),
             )
 
         if not calls:
-            working.append(ChatMessage(role="assistant", content=response.text, step=inp.step))
-            return succeeded(response.text, (), response.finish_reason)
+            working.append(ChatMessage(role="assistant", content=text, step=inp.step))
+            return succeeded(text, (), response.finish_reason)
 
         if response.finish_reason == FINISH_LENGTH:
             checked: list[ValidCall | CallProblem] = [
@@ -375,13 +446,13 @@ def run_step(
                 )
                 for p in planned
             )
-            working.append(ChatMessage(role="assistant", content=response.text, tool_calls=refs, step=inp.step))
-            return succeeded(response.text, planned, response.finish_reason)
+            working.append(ChatMessage(role="assistant", content=text, tool_calls=refs, step=inp.step))
+            return succeeded(text, planned, response.finish_reason)
 
         failures += 1
         problems = [c for c in checked if isinstance(c, CallProblem) and c.code != NOT_EXECUTED]
         summary = "; ".join(f"{p.code} {p.raw.name}: {p.detail}" for p in problems)
         log.info("malformed_tool_calls", run_id=inp.run_id, step=inp.step, failures=failures, problems=summary)
-        working.extend(_repair_messages(response.text, inp.step, checked, offered_names, config.error_result_max_chars))
+        working.extend(_repair_messages(text, inp.step, checked, offered_names, config.error_result_max_chars))
         if failures >= config.malformed_limit:
             return failed(MALFORMED_OUTPUT, f"{failures} consecutive responses with invalid tool calls; last: {summary}")

@@ -8,6 +8,7 @@ The gateway validates again (it is the authority); this check spares a step and 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ NOT_EXECUTED = "NOT_EXECUTED"
 TRUNCATED = "TRUNCATED"
 
 _MAX_SCHEMA_ERRORS = 5
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -91,10 +93,16 @@ def check_call(raw: RawToolCall, tools: Mapping[str, ToolView]) -> ValidCall | C
         return CallProblem(raw, INVALID_JSON, f"arguments are not valid JSON: {exc.msg} at position {exc.pos}")
     if not isinstance(args, dict):
         return CallProblem(raw, ARGS_NOT_OBJECT, f"arguments must be a JSON object, got {type(args).__name__}")
+    args_json = canonical_json(args)
+    if _LONE_SURROGATE.search(args_json):
+        # An escaped lone surrogate ("\\ud800") parses to one, which UTF-8 cannot encode: U+FFFD
+        # instead, as at the tool gateway (in canonical JSON it can only stand inside a string).
+        args_json = _LONE_SURROGATE.sub("\ufffd", args_json)
+        args = json.loads(args_json)
     errors = _schema_errors(args, tool.schema())
     if errors:
         return CallProblem(raw, INVALID_ARGS, "arguments do not match the tool's schema: " + "; ".join(errors))
-    return ValidCall(raw, args, canonical_json(args))
+    return ValidCall(raw, args, args_json)
 
 
 def check_calls(calls: Sequence[RawToolCall], tools: Mapping[str, ToolView]) -> list[ValidCall | CallProblem]:

@@ -1,0 +1,106 @@
+"""Model answers as untrusted input: every badly formed, oversized or implausible answer ends its
+step with a ModelCallCompleted (sanitised) or a ModelCallFailed with a code and the usage spent,
+never a step left pending. The in-memory driver, the real adapters, a mock HTTP transport."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tether_contracts.base import AvroRecord
+from tether_contracts.records import ModelCallCompleted, ModelCallFailed, RunCompleted, ToolCallRequested
+
+MAX_TOKENS_PER_CALL = 100_000_000  # tether_planner.step.MAX_TOKENS_PER_CALL, as documented
+
+
+def oa(message: dict[str, Any], finish: str | None = "tool_calls", usage: Any = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"choices": [{"message": message, "finish_reason": finish}], "model": "tether-scripted"}
+    body["usage"] = {"prompt_tokens": 100, "completion_tokens": 20} if usage is None else usage
+    return body
+
+
+def tc(cid: str, name: str, args: str) -> dict[str, Any]:
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+GOOD_CALL = oa({"content": None, "tool_calls": [tc("z", "anything", '{"ok":1}')]})
+
+
+def failed(out: list[AvroRecord]) -> ModelCallFailed:
+    assert [type(p) for p in out] == [ModelCallFailed], out
+    return out[0]  # type: ignore[return-value]
+
+
+# -- 1. answers the loop could not record ---------------------------------------------------------
+
+
+def test_a_lone_surrogate_in_the_text_becomes_a_replacement_character(mock_model: Any) -> None:
+    h = mock_model([b'{"choices":[{"message":{"content":"hi \\ud800 there"},"finish_reason":"stop"}],'
+                b'"usage":{"prompt_tokens":5,"completion_tokens":5}}'])
+    out = h.run()
+    assert [type(p) for p in out] == [ModelCallCompleted, RunCompleted]
+    assert out[1].answer == "hi \ufffd there"
+
+
+def test_a_lone_surrogate_in_arguments_becomes_a_replacement_character(mock_model: Any) -> None:
+    args = '{"url":"x\\ud800"}'
+    h = mock_model([oa({"content": None, "tool_calls": [tc("a", "anything", args)]})])
+    out = h.run(open_tools=True)
+    assert [type(p) for p in out] == [ModelCallCompleted, ToolCallRequested]
+    assert json.loads(out[1].call.args_json) == {"url": "x\ufffd"}
+
+
+@pytest.mark.parametrize(
+    ("usage", "expected_in"),
+    [
+        ({"prompt_tokens": -1_000_000, "completion_tokens": 20}, None),  # not plausible: estimated
+        ({"prompt_tokens": 2**64, "completion_tokens": 20}, MAX_TOKENS_PER_CALL),
+    ],
+)
+def test_implausible_usage_is_estimated_or_clamped(mock_model: Any, usage: dict[str, int], expected_in: int | None) -> None:
+    out = mock_model([oa({"content": "done"}, "stop", usage)]).run()
+    assert [type(p) for p in out] == [ModelCallCompleted, RunCompleted]
+    tokens = out[0].usage.input_tokens
+    assert 0 < tokens <= MAX_TOKENS_PER_CALL
+    if expected_in is not None:
+        assert tokens == expected_in
+    assert out[0].usage.output_tokens == 20
+
+
+def test_oversized_arguments_are_a_malformed_answer_with_the_usage_kept(mock_model: Any) -> None:
+    big = tc("a", "anything", json.dumps({"blob": "x" * 2_000_000}))
+    h = mock_model([oa({"content": None, "tool_calls": [big]})] * 3)
+    f = failed(h.run(open_tools=True))
+    assert f.error_code == "MALFORMED_OUTPUT" and f.detail.startswith("ARGS_TOO_LARGE")
+    assert f.usage.input_tokens == 300 and f.attempts == 3
+    assert len(h.http_requests) == 3
+
+
+def test_too_many_tool_calls_are_a_malformed_answer_then_the_model_is_asked_again(mock_model: Any) -> None:
+    many = oa({"content": None, "tool_calls": [tc(f"c{i}", "anything", "{}") for i in range(10_000)]})
+    h = mock_model([many, GOOD_CALL])
+    out = h.run(open_tools=True)
+    assert [type(p) for p in out] == [ModelCallCompleted, ToolCallRequested]
+    assert out[0].usage.input_tokens == 200  # both answers were billed
+
+
+def test_too_many_tool_calls_every_time_fail_the_step(mock_model: Any) -> None:
+    many = oa({"content": None, "tool_calls": [tc(f"c{i}", "anything", "{}") for i in range(10_000)]})
+    f = failed(mock_model([many] * 3).run(open_tools=True))
+    assert f.detail.startswith("TOO_MANY_TOOL_CALLS") and f.usage.input_tokens == 300
+
+
+def test_an_outcome_that_cannot_be_recorded_fails_the_step_with_its_usage(mock_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tether_planner.handlers as handlers
+
+    def broken(_args_json: str) -> str:
+        raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+
+    monkeypatch.setattr(handlers, "args_hash", broken)
+    h = mock_model([GOOD_CALL])
+    f = failed(h.run(open_tools=True))
+    assert f.error_code == "MALFORMED_OUTPUT" and f.detail.startswith("UNRECORDABLE")
+    assert f.usage.input_tokens == 100 and f.attempts == 1
+    assert h.driver.states["r1"].done_step == 1
