@@ -463,3 +463,23 @@ def test_one_tiny_first_sample_does_not_open_the_gate_for_many(harness):
     lowest, peak = _drive(harness, runs[1:], tokens=500, cost=0)
     assert lowest >= -500  # about one call's error, not 29 calls'
     assert harness.tenant().reservation() == 500  # the latest call counts at once, not after the average catches up
+
+
+def test_negative_usage_counts_as_zero_and_gives_no_cap_back(harness):
+    # A first ModelCallCompleted reporting -5,000 tokens and µUSD left 6,000 tokens on a 1,000
+    # cap and the tenant's spend at -5,000. A usage record is a fact (not dead-lettered): it is
+    # appended as it came, counted as 0, and reported.
+    harness.submit("r1", run_caps=harness.caps(max_tokens=1_000, max_cost_usd_micros=1_000, max_steps=10),
+                   limits=cap(5, spend_cap_usd_micros=2_000, tokens_per_minute=1_000))
+    harness.model(1, 1, tokens=-5_000, cost=-5_000)
+    assert types(harness.log_payloads())[-1] == "ModelCallCompleted"
+    ledger, tenant = harness.ledger(), harness.tenant()
+    assert (ledger.usage.input_tokens, ledger.usage.output_tokens, ledger.usage.cost_usd_micros) == (0, 0, 0)
+    assert tenant.spent_usd_micros == 0 and tenant.tokens == 1_000 and tenant.usage_samples == 0
+    assert harness.metric("tether_budget_usage_clamped_total", field="cost_usd_micros") == 1
+    harness.request(1, 0)
+    granted = harness.done("1.0")[-1]
+    assert isinstance(granted, StepGranted) and granted.remaining.tokens == 1_000
+    # The real usage then reaches the caps as it would have without the bad record.
+    harness.model(2, 0, tokens=1_200, cost=900, text="x")
+    assert not harness.ledger().open and harness.tenant().spent_usd_micros == 900

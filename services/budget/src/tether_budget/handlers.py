@@ -33,7 +33,7 @@ from tether_budget.domain.decisions import (
     tick_due,
 )
 from tether_budget.domain.errors import ProtocolViolation, UnknownRun
-from tether_budget.domain.ledger import Ledger, Reason
+from tether_budget.domain.ledger import Ledger, Reason, negative_usage_fields
 from tether_budget.domain.loopguard import LoopGuard
 from tether_budget.domain.tenancy import TenantLedger, no_limits, tenant_key
 from tether_budget.metrics import BudgetMetrics
@@ -42,6 +42,8 @@ from tether_contracts.records import (
     CancelRun,
     DecideApproval,
     Envelope,
+    ModelCallCompleted,
+    ModelCallFailed,
     RunAccepted,
     RunCompleted,
     RunQueued,
@@ -92,6 +94,18 @@ def _load_tenant(ctx: Context, tenant_id: str) -> TenantLedger:
 def _save_tenant(tenant: TenantLedger | None, ctx: Context) -> None:
     if tenant is not None and tenant.touched:
         ctx.put_state(tenant_key(tenant.tenant_id), tenant)
+
+
+def _report_negative_usage(msg: Inbound, *, deps: Deps) -> None:
+    # The ledger counted them as 0; the record itself is appended as it came.
+    if not isinstance(msg.payload, ModelCallCompleted | ModelCallFailed):
+        return
+    fields = negative_usage_fields(msg.payload.usage)
+    if fields:
+        log.warning("negative_usage_clamped", run_id=msg.envelope.run_id, event_id=msg.envelope.event_id,
+                    event_type=type(msg.payload).__name__, fields=fields)
+        for field in fields:
+            deps.metrics.usage_clamped.labels(field).inc()
 
 
 def _model_call_open(ledger: Ledger) -> int | None:
@@ -327,6 +341,7 @@ def sequence_intake(msg: Inbound, ctx: Context, *, deps: Deps) -> None:
         tenant=tenant,
     )
     returned = model_call_open is not None and _model_call_open(ledger) != model_call_open
+    _report_negative_usage(msg, deps=deps)
     _settle_usage(ledger, usage_before, tenant, ctx.now_ms, model_call_returned=returned)
     freed = _release_if_ended(ledger, was_open, tenant)
     write_plan(plan, ledger, ctx, deps=deps, inbound=env)

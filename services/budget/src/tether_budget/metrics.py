@@ -46,6 +46,12 @@ class BudgetMetrics:
             ["event_type"],
             registry=registry,
         )
+        self.usage_clamped = Counter(
+            "tether_budget_usage_clamped_total",
+            "Model-call usage fields reported below zero and counted as 0 (a producer bug), by field.",
+            ["field"],
+            registry=registry,
+        )
         self.records_dropped = Counter(
             "tether_budget_records_dropped_total",
             "Input records not appended (duplicates, late requests), by reason.",

@@ -391,10 +391,13 @@ class Ledger(BaseModel):
             self.waiting_since_ms = None
 
     def add_usage(self, usage: Usage) -> None:
+        """Count a model call's usage; a negative count is counted as 0 (it would give caps back:
+        a first usage of -5,000 left 6,000 tokens on a 1,000 cap). The record is still appended as
+        it came, and the handler reports the anomaly (`negative_usage_fields`)."""
         self.usage = Usage(
-            input_tokens=self.usage.input_tokens + usage.input_tokens,
-            output_tokens=self.usage.output_tokens + usage.output_tokens,
-            cost_usd_micros=self.usage.cost_usd_micros + usage.cost_usd_micros,
+            input_tokens=self.usage.input_tokens + max(0, usage.input_tokens),
+            output_tokens=self.usage.output_tokens + max(0, usage.output_tokens),
+            cost_usd_micros=self.usage.cost_usd_micros + max(0, usage.cost_usd_micros),
         )
 
     def end(self, status: RunStatus, reason: str, now_ms: int) -> None:
@@ -418,3 +421,11 @@ class Ledger(BaseModel):
         self.loop = LoopGuardState()
         self.tools = {}
         self.tombstoned = True
+
+
+def negative_usage_fields(usage: Usage | None) -> list[str]:
+    """The fields of a reported usage below zero (a protocol anomaly: counted as 0, not dead-lettered,
+    since the record is a fact the run's log must keep)."""
+    if usage is None:
+        return []
+    return [name for name in ("input_tokens", "output_tokens", "cost_usd_micros") if getattr(usage, name) < 0]

@@ -327,7 +327,9 @@ class TenantLedger(BaseModel):
     # -- usage ----------------------------------------------------------------------------------
     def record_usage(self, tokens: int, cost_usd_micros: int, *, reserved_tokens: int, now_ms: int,
                      reserved_cost: int = 0) -> None:
-        """A model call's usage was recorded for one of the tenant's runs on this lane."""
+        """A model call's usage was recorded for one of the tenant's runs on this lane (a negative
+        count as 0: usage never gives spend or tokens back)."""
+        tokens, cost_usd_micros = max(0, tokens), max(0, cost_usd_micros)
         self._roll_window(now_ms)
         self.spent_usd_micros += cost_usd_micros
         if self.limits.tokens_per_minute > 0:
