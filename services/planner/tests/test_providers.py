@@ -144,7 +144,7 @@ def test_openai_stream_accumulates_content_and_tool_call_deltas() -> None:
         _data({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}, "model": "m-1"}),
         (None, "[DONE]"),
     ]
-    text, calls, finish, tin, tout, model = p._parse_stream(iter(events), _request("g"))
+    text, calls, (finish, _raw), tin, tout, model = p._parse_stream(iter(events), _request("g"))
     p.close()
     assert text == "Hello"
     assert [(c.id, c.name, c.arguments) for c in calls] == [
@@ -178,7 +178,7 @@ def test_anthropic_stream_accumulates_blocks() -> None:
         _data({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 12}}),
         _data({"type": "message_stop"}),
     ]
-    text, calls, finish, tin, tout, model = p._parse_stream(iter(events))
+    text, calls, (finish, _raw), tin, tout, model = p._parse_stream(iter(events))
     assert text == "Hi"
     assert [(c.id, c.name, c.arguments) for c in calls] == [("tu1", "http_get", '{"url": "u"}'), ("tu2", "noargs", "{}")]
     assert (finish, tin, tout, model) == ("tool_calls", 15, 12, "claude-x")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tether_contracts.base import AvroRecord
-from tether_contracts.records import ModelCallCompleted, ModelCallFailed, RunCompleted, ToolCallRequested
+from tether_contracts.records import ModelCallCompleted, ModelCallFailed, ModelRef, RunCompleted, ToolCallRequested
 
 MAX_TOKENS_PER_CALL = 100_000_000  # tether_planner.step.MAX_TOKENS_PER_CALL, as documented
 
@@ -104,3 +104,41 @@ def test_an_outcome_that_cannot_be_recorded_fails_the_step_with_its_usage(mock_m
     assert f.error_code == "MALFORMED_OUTPUT" and f.detail.startswith("UNRECORDABLE")
     assert f.usage.input_tokens == 100 and f.attempts == 1
     assert h.driver.states["r1"].done_step == 1
+
+
+# -- 2. empty and unfinished answers ----------------------------------------------------------------
+
+ANSWER = oa({"content": "the answer"}, "stop")
+
+
+@pytest.mark.parametrize(
+    ("bad", "code"),
+    [
+        (oa({"content": None}, "stop"), "EMPTY_ANSWER"),
+        (oa({"content": "  "}, "stop"), "EMPTY_ANSWER"),
+        (oa({"content": None}, "tool_calls"), "MISSING_TOOL_CALLS"),
+        (oa({"content": "half an ans"}, "MAX_TOKENS"), "INCOMPLETE"),
+    ],
+)
+def test_an_empty_or_unfinished_answer_is_asked_again_then_fails_the_step(mock_model: Any, bad: dict, code: str) -> None:
+    out = mock_model([bad, ANSWER]).run()
+    assert [type(p) for p in out] == [ModelCallCompleted, RunCompleted]
+    assert out[1].answer == "the answer" and out[0].usage.input_tokens == 200
+    f = failed(mock_model([bad] * 3).run())
+    assert f.error_code == "MALFORMED_OUTPUT" and f.detail.startswith(code), f.detail
+    assert f.usage.input_tokens == 300
+
+
+def test_anthropic_pause_turn_is_not_a_final_answer(mock_model: Any) -> None:
+    paused = {"type": "message", "content": [{"type": "text", "text": "Let me search fir"}], "stop_reason": "pause_turn",
+              "usage": {"input_tokens": 10, "output_tokens": 2}}
+    f = failed(mock_model([paused] * 3).run(model=ModelRef(provider="anthropic", name="claude-x")))
+    assert f.detail.startswith("INCOMPLETE") and "pause_turn" in f.detail
+    assert f.usage.input_tokens == 30
+
+
+def test_a_legacy_function_call_is_a_tool_call(mock_model: Any) -> None:
+    legacy = oa({"content": None, "function_call": {"name": "anything", "arguments": '{"url":"x"}'}}, "function_call")
+    out = mock_model([legacy]).run(open_tools=True)
+    assert [type(p) for p in out] == [ModelCallCompleted, ToolCallRequested]
+    assert out[1].call.tool_name == "anything" and json.loads(out[1].call.args_json) == {"url": "x"}

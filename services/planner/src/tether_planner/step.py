@@ -32,10 +32,13 @@ from tether_planner.domain.validation import (
 from tether_planner.pricing import PricingTable
 from tether_planner.providers.port import (
     FINISH_ERROR,
+    FINISH_INCOMPLETE,
     FINISH_LENGTH,
+    FINISH_TOOL_CALLS,
     ContextOverflow,
     ModelProvider,
     ModelRequest,
+    ModelResponse,
     ProviderError,
 )
 from tether_planner.statecodec import checkpoint_size
@@ -81,6 +84,9 @@ MAX_TOKENS_PER_CALL = 100_000_000
 TOO_MANY_TOOL_CALLS = "TOO_MANY_TOOL_CALLS"
 ARGS_TOO_LARGE = "ARGS_TOO_LARGE"
 TEXT_TOO_LARGE = "TEXT_TOO_LARGE"
+EMPTY_ANSWER = "EMPTY_ANSWER"
+MISSING_TOOL_CALLS = "MISSING_TOOL_CALLS"
+INCOMPLETE = "INCOMPLETE"
 
 
 @dataclass(frozen=True)
@@ -205,8 +211,18 @@ def _clean_calls(calls: Sequence[RawToolCall]) -> list[RawToolCall]:
     return [RawToolCall(clean_text(c.id), clean_text(c.name), clean_text(c.arguments)) for c in calls]
 
 
-def _over_limit(text: str, calls: Sequence[RawToolCall], config: StepConfig) -> tuple[str, str] | None:
-    """(code, detail) when the answer is larger than the planner takes from a model."""
+def _unusable(text: str, calls: Sequence[RawToolCall], response: ModelResponse, config: StepConfig) -> tuple[str, str] | None:
+    """(code, detail) when the answer as a whole is not one: unfinished, empty, or larger than the
+    planner takes from a model."""
+    if response.finish_reason == FINISH_INCOMPLETE:
+        return INCOMPLETE, (
+            f"the response ended with finish reason {str(response.raw_finish_reason)[:100]!r}, not a finished answer"
+            + _excerpt(text)
+        )
+    if response.finish_reason == FINISH_TOOL_CALLS and not calls:
+        return MISSING_TOOL_CALLS, "finish reason tool_calls but no tool call in the response" + _excerpt(text)
+    if not calls and not text.strip():
+        return EMPTY_ANSWER, "the response has neither text nor tool calls"
     if len(calls) > config.max_tool_calls:
         return TOO_MANY_TOOL_CALLS, f"{len(calls)} tool calls in one answer; the limit is {config.max_tool_calls}"
     for c in calls:
@@ -389,15 +405,6 @@ def run_step(
         tally.latency_ms += response.latency_ms
         tally.priced = tally.priced and cost.priced
 
-        over = _over_limit(text, calls, config)
-        if over is not None:
-            # Nothing of an oversized answer is kept (it could not be recorded): the model is asked again.
-            failures += 1
-            log.info("malformed_answer", run_id=inp.run_id, step=inp.step, failures=failures, code=over[0], detail=over[1])
-            if failures >= config.malformed_limit:
-                return failed(MALFORMED_OUTPUT, f"{over[0]}: {failures} consecutive unusable responses; last: {over[1]}")
-            continue
-
         # A response the provider stopped (content filter, refusal) or cut off at max_tokens is not
         # an answer: a cut-off text would end the run COMPLETED with half an answer, and cut-off
         # tool calls may carry incomplete arguments. Cut-off calls are repaired like invalid ones
@@ -417,6 +424,15 @@ def run_step(
                 f"truncated: the response was cut off at max_tokens={request.max_tokens} ({limit}), "
                 f"finish_reason length, {'with' if calls else 'no'} tool calls" + _excerpt(text),
             )
+
+        over = _unusable(text, calls, response, config)
+        if over is not None:
+            # Nothing of such an answer is kept (an oversized one could not be recorded): the model is asked again.
+            failures += 1
+            log.info("malformed_answer", run_id=inp.run_id, step=inp.step, failures=failures, code=over[0], detail=over[1])
+            if failures >= config.malformed_limit:
+                return failed(MALFORMED_OUTPUT, f"{over[0]}: {failures} consecutive unusable responses; last: {over[1]}")
+            continue
 
         if not calls:
             working.append(ChatMessage(role="assistant", content=text, step=inp.step))

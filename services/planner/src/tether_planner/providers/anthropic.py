@@ -12,6 +12,7 @@ from tether_planner.domain.validation import RawToolCall
 from tether_planner.providers.http import HttpProvider, HttpSettings, error_message, is_context_overflow
 from tether_planner.providers.port import (
     FINISH_ERROR,
+    FINISH_INCOMPLETE,
     FINISH_LENGTH,
     FINISH_STOP,
     FINISH_TOOL_CALLS,
@@ -26,7 +27,8 @@ DEFAULT_VERSION = "2023-06-01"
 _STOP = {
     "end_turn": FINISH_STOP,
     "stop_sequence": FINISH_STOP,
-    "pause_turn": FINISH_STOP,
+    # A long turn the server paused (server tools): to be continued, not an answer.
+    "pause_turn": FINISH_INCOMPLETE,
     "tool_use": FINISH_TOOL_CALLS,
     "max_tokens": FINISH_LENGTH,
     "refusal": FINISH_ERROR,
@@ -82,6 +84,13 @@ def to_wire_tools(tools: Sequence[ToolView]) -> list[dict[str, Any]]:
     return [{"name": t.name, "description": t.description, "input_schema": t.schema()} for t in tools]
 
 
+def _finish(raw: Any, has_calls: bool) -> tuple[str, str | None]:
+    """(normalised, as sent): none sent means a finished answer; an unknown one means incomplete."""
+    if not raw:
+        return (FINISH_TOOL_CALLS if has_calls else FINISH_STOP), None
+    return (_STOP.get(raw, FINISH_INCOMPLETE) if isinstance(raw, str) else FINISH_INCOMPLETE), str(raw)
+
+
 def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
@@ -124,7 +133,7 @@ class AnthropicProvider(HttpProvider):
         if self.settings.api_key:
             headers["x-api-key"] = self.settings.api_key
         started = time.monotonic()
-        (text, calls, finish, usage_in, usage_out, model), attempts = self.post(
+        (text, calls, (finish, raw_finish), usage_in, usage_out, model), attempts = self.post(
             request, self.url(), headers, self.body(request), self._parse, self._parse_stream
         )
         return ModelResponse(
@@ -136,6 +145,7 @@ class AnthropicProvider(HttpProvider):
             attempts=attempts,
             latency_ms=int((time.monotonic() - started) * 1000),
             model=model or request.model,
+            raw_finish_reason=raw_finish,
         )
 
     def _error(self, body: Any) -> ProviderError:
@@ -154,7 +164,7 @@ class AnthropicProvider(HttpProvider):
             for b in data["content"]
             if b.get("type") == "tool_use"
         ]
-        finish = _STOP.get(data.get("stop_reason") or "", FINISH_TOOL_CALLS if calls else FINISH_STOP)
+        finish = _finish(data.get("stop_reason"), bool(calls))
         usage = data.get("usage") or {}
         return text, calls, finish, _input_tokens(usage), usage.get("output_tokens"), data.get("model")
 
@@ -206,6 +216,6 @@ class AnthropicProvider(HttpProvider):
             # The streamed input arrives as JSON text; an empty stream means the start block's input.
             arguments = b["partial_json"] if b["partial_json"] else _arguments(b.get("input") or {})
             calls.append(RawToolCall(str(b.get("id", "")), str(b.get("name", "")), arguments))
-        finish = _STOP.get(stop_reason or "", FINISH_TOOL_CALLS if calls else FINISH_STOP)
+        finish = _finish(stop_reason, bool(calls))
         return text, calls, finish, usage_in, usage_out, model
 

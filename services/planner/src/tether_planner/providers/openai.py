@@ -12,6 +12,7 @@ from tether_planner.domain.validation import RawToolCall
 from tether_planner.providers.http import HttpProvider, HttpSettings, error_message, is_context_overflow
 from tether_planner.providers.port import (
     FINISH_ERROR,
+    FINISH_INCOMPLETE,
     FINISH_LENGTH,
     FINISH_STOP,
     FINISH_TOOL_CALLS,
@@ -29,6 +30,14 @@ _FINISH = {
     "length": FINISH_LENGTH,
     "content_filter": FINISH_ERROR,
 }
+
+
+def _finish(raw: Any, has_calls: bool) -> str:
+    """The normalised finish reason: none sent means a finished answer; an unknown one means incomplete."""
+    if not raw:
+        return FINISH_TOOL_CALLS if has_calls else FINISH_STOP
+    return _FINISH.get(raw, FINISH_INCOMPLETE) if isinstance(raw, str) else FINISH_INCOMPLETE
+
 
 MaxTokensParam = Literal["auto", "max_tokens", "max_completion_tokens"]
 
@@ -106,7 +115,7 @@ class OpenAIChatProvider(HttpProvider):
             headers["Authorization"] = f"Bearer {self.settings.api_key}"
         url = self.settings.base_url.rstrip("/") + "/chat/completions"
         started = time.monotonic()
-        (text, calls, finish, usage_in, usage_out, model), attempts = self.post(
+        (text, calls, (finish, raw_finish), usage_in, usage_out, model), attempts = self.post(
             request, url, headers, self.body(request), lambda d: self._parse(d, request), lambda s: self._parse_stream(s, request)
         )
         return ModelResponse(
@@ -118,6 +127,7 @@ class OpenAIChatProvider(HttpProvider):
             attempts=attempts,
             latency_ms=int((time.monotonic() - started) * 1000),
             model=model or request.model,
+            raw_finish_reason=raw_finish,
         )
 
     @staticmethod
@@ -136,7 +146,12 @@ class OpenAIChatProvider(HttpProvider):
         for i, c in enumerate(message.get("tool_calls") or []):
             fn = c.get("function") or {}
             calls.append(RawToolCall(c.get("id") or self._call_id(request, i), str(fn.get("name", "")), _arguments(fn.get("arguments"))))
-        finish = _FINISH.get(choice.get("finish_reason") or "", FINISH_TOOL_CALLS if calls else FINISH_STOP)
+        legacy = message.get("function_call")
+        if not calls and legacy:
+            # The deprecated single-call form (finish_reason function_call) some servers still send.
+            calls.append(RawToolCall(self._call_id(request, 0), str(legacy.get("name", "")), _arguments(legacy.get("arguments"))))
+        raw_finish = choice.get("finish_reason")
+        finish = (_finish(raw_finish, bool(calls)), str(raw_finish) if raw_finish is not None else None)
         usage = data.get("usage") or {}
         return (
             _text(message.get("content")),
@@ -174,6 +189,10 @@ class OpenAIChatProvider(HttpProvider):
                 delta = choice.get("delta") or {}
                 if delta.get("content"):
                     text.append(_text(delta["content"]))
+                legacy = delta.get("function_call")
+                if legacy:
+                    # The deprecated single-call form, streamed: one call, accumulated like index 0.
+                    delta = {**delta, "tool_calls": [{"index": 0, "function": legacy}, *(delta.get("tool_calls") or [])]}
                 for tc in delta.get("tool_calls") or []:
                     slot = slots.setdefault(int(tc.get("index", len(slots))), {"id": None, "name": "", "arguments": ""})
                     if tc.get("id"):
@@ -191,5 +210,5 @@ class OpenAIChatProvider(HttpProvider):
             RawToolCall(slots[i]["id"] or self._call_id(request, n), slots[i]["name"], slots[i]["arguments"])
             for n, i in enumerate(sorted(slots))
         ]
-        normalised = _FINISH.get(finish or "", FINISH_TOOL_CALLS if calls else FINISH_STOP)
+        normalised = (_finish(finish, bool(calls)), str(finish) if finish is not None else None)
         return "".join(text), calls, normalised, usage.get("prompt_tokens"), usage.get("completion_tokens"), model

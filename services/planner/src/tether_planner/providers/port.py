@@ -14,6 +14,9 @@ FINISH_STOP = "stop"
 FINISH_TOOL_CALLS = "tool_calls"
 FINISH_LENGTH = "length"
 FINISH_ERROR = "error"
+#: The provider ended the response for a reason the adapter does not know, or paused it (Anthropic
+#: `pause_turn`): not a finished answer.
+FINISH_INCOMPLETE = "incomplete"
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class ModelResponse:
     attempts: int
     latency_ms: int
     model: str
+    #: The finish/stop reason as the provider sent it (for details), when there was one.
+    raw_finish_reason: str | None = None
 
 
 class ProviderError(Exception):
