@@ -430,3 +430,84 @@ def test_cli_verifies_a_log_the_services_wrote_in_the_registry_wire_format(kafka
         assert "UNKNOWN_SCHEMA_ID" in str(unreadable.exception) and "schema registry URL" in str(unreadable.exception)
     finally:
         admin.delete_topics([topic])
+
+
+# -- the budget's clock, malformed records and envelope labels ---------------------------------------
+
+
+def _resealed(log: list[Envelope]) -> list[Envelope]:
+    out = list(log)
+    for i in range(len(out)):
+        out[i] = seal(out[i], out[i].seq, out[i - 1].hash if i else "0" * 64)
+    return out
+
+
+def test_a_wall_clock_stop_after_a_wait_for_a_human_is_followed_not_reported():
+    # The budget read the ApprovalRequested 3 s after it was recorded, so the human wait it measured
+    # (and the deadline) differ from what the records' own times give; its timer ended the run, and
+    # the running call's late result is appended after the end.
+    from tether_budget.domain.decisions import Retention, tick
+    from tether_contracts.records import ApprovalDecided, ApprovalOutcome, ApprovalRequested
+    from tether_tool_gateway.audit import GatewayAudit
+    from tether_tool_gateway.domain.policy import approval_id_for
+    from tether_tool_gateway.domain.policy_document import default_policies
+
+    class Timed(Sequencer):
+        def at(self, payload: AvroRecord, producer: str, what: str, recorded: int, now: int) -> None:
+            env = make_envelope(payload, run_id=RUN, tenant_id=TENANT, event_id=derived_id(RUN, what),
+                                producer=producer, recorded_at_ms=recorded)
+            self.clock = now
+            plan = fold(self.ledger, payload, event_id=env.event_id, tenant_id=TENANT, guard=self.guard, now_ms=now)
+            self._write(plan.entries, env)
+
+    submit = _submit()
+    s = Timed(submit.model_copy(update={"caps": submit.caps.model_copy(update={"max_wall_clock_ms": 10_000})}))
+    a = s.ledger.accepted_at_ms
+    s.at(_model(1, 1), "planner", "m1", a + 10, a + 10)
+    req, call = _call(1, 0, "send_email", {"to": "x@y.test", "subject": "s", "body": "b"})
+    s.at(req, "planner", "r1.0", a + 20, a + 20)
+    policies, allow_version = AuditConfig().policies()
+    gateway = GatewayAudit(policies, allow_version=allow_version)
+    gateway.check([(e, open_payload(e)) for e in s.log])
+    version = default_policies()[0].policy_version
+    decision = policies[version].decide_call(gateway._calls[call.call_id].inputs)
+    asked = ApprovalRequested(
+        approval_id=approval_id_for(RUN, call.idem_key, call.args_hash), step=1, call_id=call.call_id,
+        idem_key=call.idem_key, tool_name="send_email", args_json=call.args_json, args_hash=call.args_hash,
+        risk_class=TOOLS[NAMES.index("send_email")].risk_class, reasons=list(decision.verdict.reasons),
+        provenance_json=gateway._calls[call.call_id].provenance_json, expires_at_ms=decision.verdict.expires_at_ms,
+        policy_version=version, inputs_hash=decision.inputs_hash)
+    s.at(asked, "tool-gateway", "a1", a + 30, a + 3_000)
+    s.at(ApprovalDecided(approval_id=asked.approval_id, call_id=call.call_id, args_hash=call.args_hash,
+                         outcome=ApprovalOutcome.APPROVED, approver_id="bob", comment="", decided_at_ms=a + 4_000),
+         "approval", "d1", a + 4_000, a + 4_000)
+    s.clock = a + 11_000
+    s._write(tick(s.ledger, now_ms=a + 11_000, retention=Retention()).plan.entries, None)
+    s.at(_completed(call, 1, '{"sent":true}'), "tool-gateway", "c1.0", a + 12_000, a + 12_000)
+    assert [e.event_type.rsplit(".", 1)[1] for e in s.log][-2:] == ["RunTerminated", "ToolCallCompleted"]
+    report = verify_log(s.log)
+    assert report.ok, render_text(report)
+    assert any(f.check == "note" and "waiting for humans" in f.problem for f in report.findings)
+
+
+def test_a_run_id_the_budget_refuses_is_a_finding_not_a_crash():
+    log = _resealed([e.model_copy(update={"run_id": "a:b"}) for e in clean_run().log])
+    report = verify_log(log)
+    assert not report.ok
+    assert any(f.check == "budget" and "BAD_RUN_ID" in f.problem for f in report.mismatches), render_text(report)
+
+
+def test_a_cancel_by_another_tenant_is_a_finding_not_a_crash():
+    from tether_budget.domain.decisions import cancel
+    from tether_contracts.records import CancelRun
+
+    s = Sequencer(_submit())
+    s.intake(_model(1, 1), "planner", "m1")
+    s._write(cancel(s.ledger, CancelRun(principal_id="alice", reason="stop"), tenant_id=TENANT,
+                    now_ms=s._tick()).entries, None)
+    assert verify_log(s.log).ok
+    log = list(s.log)
+    log[-1] = log[-1].model_copy(update={"tenant_id": "t2"})
+    report = verify_log(_resealed(log))
+    assert [f.check for f in report.mismatches] == ["budget"], render_text(report)
+    assert "CANCEL_FORBIDDEN" in report.mismatches[0].problem

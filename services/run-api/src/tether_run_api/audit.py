@@ -21,7 +21,7 @@ from typing import Any
 from tether_approval.domain.decisions import SYSTEM_APPROVER, ApprovalPolicy
 from tether_budget.domain.decisions import AdmissionPolicy, Decide, Plan, Retention, admit, cancel, fold, tick
 from tether_budget.domain.errors import ProtocolViolation
-from tether_budget.domain.ledger import Ledger, Reason
+from tether_budget.domain.ledger import Ledger, Reason, RunStatus
 from tether_budget.domain.loopguard import LoopGuard
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
@@ -164,9 +164,11 @@ def verify_log(envelopes: Iterable[Envelope], config: AuditConfig | None = None,
         events: list[Event] = []
         for env in sorted(envs, key=lambda e: e.seq or 0):
             try:
-                events.append((env, open_payload(env)))
+                payload = open_payload(env)
             except SerdeError as err:
                 report.findings.append(Finding("log", run_id, env.seq, env.event_type, f"payload does not decode: {err}"))
+                continue
+            events.append((env, payload))
         report.findings.extend(BudgetReplay(run_id, config).check(events))
         for m in GatewayAudit(policies, allow_version=allow_version).check(events):
             report.findings.append(Finding("gateway", m.run_id, m.seq, m.event_type, f"{m.call_id}: {m.problem}"))
@@ -269,8 +271,13 @@ class BudgetReplay:
             submit = SubmitRun(request_id=payload.request_id, principal_id=payload.principal_id, goal=payload.goal,
                                agent=payload.agent, tools=payload.tools, caps=payload.caps,
                                tenant_grants=payload.tenant_grants, delegated_scope=payload.delegated_scope)
-            self.ledger, plan = admit(submit, run_id=self.run_id, tenant_id=env.tenant_id, partition=0,
-                                      event_id=env.event_id, now_ms=env.recorded_at_ms, policy=self.config.admission)
+            try:
+                self.ledger, plan = admit(submit, run_id=self.run_id, tenant_id=env.tenant_id, partition=0,
+                                          event_id=env.event_id, now_ms=env.recorded_at_ms,
+                                          policy=self.config.admission)
+            except ProtocolViolation as err:
+                self._finding(env, f"RunAccepted although the budget refuses the submit: {err}")
+                return len(events)  # nothing of the run can be re-derived without its admission
             return self._compare(events, i, plan)
         if isinstance(payload, RunRejected) and self.ledger is None:
             self._note(env, "the rejected submit is not in the run log; its admission is not re-derived")
@@ -284,12 +291,22 @@ class BudgetReplay:
                 self._finding(env, f"CANCELLED with a detail no cancel produces: {payload.report.detail!r}")
                 return i + 1
             command = CancelRun(principal_id=match["who"], reason=match["why"] or "")
-            plan = cancel(self.ledger, command, tenant_id=env.tenant_id, now_ms=env.recorded_at_ms)
+            before = self.ledger.model_copy(deep=True)
+            try:
+                plan = cancel(self.ledger, command, tenant_id=env.tenant_id, now_ms=env.recorded_at_ms)
+            except ProtocolViolation as err:
+                self.ledger = before
+                self._finding(env, f"CANCELLED although the budget refuses the cancel: {err}")
+                return i + 1
             return self._compare(events, i, plan)
         if isinstance(payload, RunTerminated) and payload.reason_code == Reason.WALL_CLOCK_CAP:
             result = tick(self.ledger, now_ms=env.recorded_at_ms, retention=self.config.retention)
             if not result.plan.entries and self.waited:
-                self._note(env, "wall-clock stop after waiting for humans: the deadline is not re-derived exactly")
+                # The budget measured the human wait when it read the approval records, which the
+                # log does not record: follow the log, the run ended here for the rest of the fold.
+                self._note(env, "wall-clock stop after waiting for humans: the deadline is not re-derived exactly; "
+                                "the run is taken as ended here, as the log says")
+                self.ledger.end(RunStatus.TERMINATED, Reason.WALL_CLOCK_CAP, env.recorded_at_ms)
                 return i + 1
             return self._compare(events, i, result.plan)
         self._finding(env, f"a budget decision ({env.event_type}) that follows from no recorded input")
