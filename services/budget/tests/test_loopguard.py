@@ -257,3 +257,18 @@ def test_guard_state_survives_a_json_checkpoint() -> None:
     restored = LoopGuardState.model_validate_json(state.model_dump_json())
     verdict, detection = guard.observe(restored, _step(4, repeat))
     assert verdict is Verdict.WARN and detection.rule is LoopRule.REPEAT
+
+
+@pytest.mark.parametrize("key", ["took_ms", "durationMs", "elapsedMs", "elapsed_seconds", "latency-ms", "ts_ns"])
+def test_a_volatile_key_in_any_spelling_does_not_hide_a_repeat(key: str) -> None:
+    # `search{"q":"flights"}` answering `{"status":"pending","durationMs":40+n}` 20 times never
+    # tripped R1/R4/R5: only exact snake_case keys were dropped.
+    calls = [("search", {"q": "flights"}, json.dumps({"status": "pending", key: 40 + n}), None) for n in range(20)]
+    fired, _ = _run(_trace(calls))
+    assert fired[:2] == [(4, Verdict.WARN, LoopRule.REPEAT), (5, Verdict.TERMINATE, LoopRule.REPEAT)]
+
+
+def test_micro_and_nanosecond_epochs_are_volatile() -> None:
+    assert normalise_observation('{"v": 1, "t": "1717171717123456"}') == normalise_observation(
+        '{"v": 1, "t": "1717171718654321"}')
+    assert normalise_observation("at 1717171717123456789 ok") == normalise_observation("at 1717171799000000001 ok")

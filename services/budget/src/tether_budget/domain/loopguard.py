@@ -30,7 +30,8 @@ _VOLATILE_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
         "<time>",
     ),
     (re.compile(r"\b\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?\b"), "<time>"),
-    (re.compile(r"\b1\d{9}(?:\d{3})?(?:\.\d+)?\b"), "<epoch>"),  # epoch seconds/millis, 2001..2033
+    # epoch seconds/millis/micros/nanos, 2001..2033
+    (re.compile(r"\b1\d{9}(?:\d{3}|\d{6}|\d{9})?(?:\.\d+)?\b"), "<epoch>"),
     (
         re.compile(
             r"\b\d+(?:\.\d+)?\s?(?:ns|us|µs|ms|s|sec|secs|second|seconds|min|mins|minute|minutes)\b", re.I
@@ -50,6 +51,20 @@ _VOLATILE_KEYS = frozenset(
         "pid", "request_id", "requestid", "trace_id", "traceid", "span_id", "etag", "nonce",
     }
 )  # fmt: skip
+
+# A unit at the end of a key names the same volatile value: duration_ms, elapsedSeconds, ts_ns.
+_UNIT_SUFFIX = re.compile(r"_(?:ns|us|µs|ms|s|sec|secs|seconds|millis|micros|nanos|msec|usec|nsec)$")
+_CAMEL_HUMP = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+
+
+def _key_name(key: str) -> str:
+    """A JSON key in one spelling: camelCase, kebab-case and dotted keys as snake_case, lower case."""
+    return re.sub(r"[-.\s]+", "_", _CAMEL_HUMP.sub("_", key)).lower()
+
+
+def _volatile_key(key: str) -> bool:
+    name = _key_name(key)
+    return name in _VOLATILE_KEYS or _UNIT_SUFFIX.sub("", name) in _VOLATILE_KEYS
 
 
 def _hash(text: str) -> str:
@@ -71,7 +86,7 @@ def canonical_action(tool_name: str, args_json: str) -> str:
 
 def _drop_volatile_keys(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _drop_volatile_keys(v) for k, v in value.items() if k.lower() not in _VOLATILE_KEYS}
+        return {k: _drop_volatile_keys(v) for k, v in value.items() if not _volatile_key(k)}
     if isinstance(value, list):
         return [_drop_volatile_keys(v) for v in value]
     return value
