@@ -511,3 +511,12 @@ def test_a_cancel_by_another_tenant_is_a_finding_not_a_crash():
     report = verify_log(_resealed(log))
     assert [f.check for f in report.mismatches] == ["budget"], render_text(report)
     assert "CANCEL_FORBIDDEN" in report.mismatches[0].problem
+
+
+def test_an_envelope_labelled_with_another_event_type_than_its_payload_is_a_type_mismatch():
+    log = clean_run().log
+    j = next(i for i, e in enumerate(log) if e.event_type.endswith("ModelCallCompleted"))
+    relabeled = list(log)
+    relabeled[j] = relabeled[j].model_copy(update={"event_type": "tether.v1.RunCompleted"})
+    report = verify_log(_resealed(relabeled))
+    assert [(f.check, f.event_type) for f in report.mismatches] == [("log", "TYPE_MISMATCH")], render_text(report)

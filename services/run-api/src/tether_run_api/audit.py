@@ -168,6 +168,11 @@ def verify_log(envelopes: Iterable[Envelope], config: AuditConfig | None = None,
             except SerdeError as err:
                 report.findings.append(Finding("log", run_id, env.seq, env.event_type, f"payload does not decode: {err}"))
                 continue
+            if payload.AVRO_NAME != env.event_type:
+                # The envelope's label is what subscribers filter and decode by: one that differs
+                # from its payload stops every subscriber (UndecodableRecord).
+                report.findings.append(Finding("log", run_id, env.seq, "TYPE_MISMATCH",
+                                               f"the envelope says {env.event_type}, the payload is {payload.AVRO_NAME}"))
             events.append((env, payload))
         report.findings.extend(BudgetReplay(run_id, config).check(events))
         for m in GatewayAudit(policies, allow_version=allow_version).check(events):
