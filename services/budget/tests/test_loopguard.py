@@ -272,3 +272,16 @@ def test_micro_and_nanosecond_epochs_are_volatile() -> None:
     assert normalise_observation('{"v": 1, "t": "1717171717123456"}') == normalise_observation(
         '{"v": 1, "t": "1717171718654321"}')
     assert normalise_observation("at 1717171717123456789 ok") == normalise_observation("at 1717171799000000001 ok")
+
+
+def test_a_pollable_call_exempts_only_itself_not_the_rest_of_its_step() -> None:
+    # A non-pollable fetch{start-export} with the same result every step, next to a pollable
+    # job_status: the whole step was exempt for the poll budget and the loop ran 25 steps.
+    step = (("fetch", {"url": "https://x/start-export"}, '{"started": true}', None),
+            ("job_status", {"job": "j1"}, '{"state": "running"}', None))
+    trace = [_step(n, *step, pollable=frozenset({"job_status"})) for n in range(1, 30)]
+    fired, _ = _run(trace)
+    # The first step counts whole; from the second the repeated poll drops out and the
+    # repeated fetch counts as it would alone.
+    assert fired[:2] == [(5, Verdict.WARN, LoopRule.REPEAT), (6, Verdict.TERMINATE, LoopRule.REPEAT)]
+

@@ -342,12 +342,20 @@ class LoopGuard:
         cfg = self.config
         denial = self._count_denials(state, step)
         if not step.text_only and step.pollable:
-            # A poll that repeats a step seen before counts once per distinct result, within the budget.
-            key = step.outcome
+            # A poll that repeats a poll seen before counts once per distinct result, within the
+            # budget. Only the pollable calls are exempt: the rest of the step still counts (a
+            # pollable job_status next to the same fetch every step exempted the fetch too, and
+            # the loop ran 25 steps instead of 5).
+            polled = tuple(c for c in step.calls if c.pollable)
+            key = _hash("\n".join(f"{c.action}:{c.observation}" for c in polled))  # = outcome of a pure poll
             if key in state.polls and state.polls[key] < cfg.poll_budget:
                 _touch(state.polls, key, state.polls[key] + 1, cfg.action_memory)
-                return denial
-            _touch(state.polls, key, state.polls.get(key, 0), cfg.action_memory)
+                rest = tuple(c for c in step.calls if not c.pollable)
+                if not rest:
+                    return denial
+                step = step.model_copy(update={"calls": rest})
+            else:
+                _touch(state.polls, key, state.polls.get(key, 0), cfg.action_memory)
         pairs = sorted({f"{c.action}:{c.observation}" for c in step.calls})
         step = step.model_copy(update={"novel": any(p not in state.seen_pairs for p in pairs)})
         for pair in pairs:
