@@ -142,3 +142,23 @@ def test_a_legacy_function_call_is_a_tool_call(mock_model: Any) -> None:
     out = mock_model([legacy]).run(open_tools=True)
     assert [type(p) for p in out] == [ModelCallCompleted, ToolCallRequested]
     assert out[1].call.tool_name == "anything" and json.loads(out[1].call.args_json) == {"url": "x"}
+
+
+# -- 3. non-standard JSON in arguments ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", ['{"n":NaN}', '{"m":1e999}', '{"m":-Infinity}', '{"a":[Infinity]}'])
+def test_nan_and_infinities_in_arguments_are_invalid_json(mock_model: Any, args: str) -> None:
+    h = mock_model([oa({"content": None, "tool_calls": [tc("a", "anything", args)]}), GOOD_CALL])
+    out = h.run(open_tools=True)
+    assert [type(p) for p in out] == [ModelCallCompleted, ToolCallRequested]
+    assert out[1].call.args_json == '{"ok":1}'
+    repairs = [m.content for m in h.driver.states["r1"].messages if m.role == "tool" and m.repair]
+    assert len(repairs) == 1 and "INVALID_JSON" in repairs[0]
+
+
+def test_canonical_json_refuses_nan() -> None:
+    from tether_planner.domain.canonical import canonical_json
+
+    with pytest.raises(ValueError):
+        canonical_json({"n": float("nan")})

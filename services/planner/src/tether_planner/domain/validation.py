@@ -16,7 +16,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
-from tether_planner.domain.canonical import canonical_json
+from tether_planner.domain.canonical import NonStandardJson, canonical_json, loads_standard
 from tether_planner.domain.messages import ToolView
 
 #: Problem codes returned to the model (stable; tests and dashboards use them).
@@ -88,9 +88,11 @@ def check_call(raw: RawToolCall, tools: Mapping[str, ToolView]) -> ValidCall | C
     text = raw.arguments.strip()
     try:
         # Some servers send "" for a call without arguments.
-        args = json.loads(text) if text else {}
+        args = loads_standard(text) if text else {}
     except json.JSONDecodeError as exc:
         return CallProblem(raw, INVALID_JSON, f"arguments are not valid JSON: {exc.msg} at position {exc.pos}")
+    except NonStandardJson as exc:
+        return CallProblem(raw, INVALID_JSON, f"arguments are not valid JSON: {exc}")
     if not isinstance(args, dict):
         return CallProblem(raw, ARGS_NOT_OBJECT, f"arguments must be a JSON object, got {type(args).__name__}")
     args_json = canonical_json(args)

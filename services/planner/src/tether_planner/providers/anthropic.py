@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from tether_planner.domain.canonical import loads_standard
 from tether_planner.domain.messages import ChatMessage, ToolView
 from tether_planner.domain.validation import RawToolCall
 from tether_planner.providers.http import HttpProvider, HttpSettings, error_message, is_context_overflow
@@ -40,8 +41,8 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     # tool_use.input must be an object; arguments the model broke are carried under a key so
     # the model still sees what it sent next to the error it gets back.
     try:
-        value = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
+        value = loads_standard(arguments) if arguments.strip() else {}
+    except ValueError:  # JSONDecodeError, NonStandardJson (NaN would make the request body invalid JSON)
         return {"_unparsed_arguments": arguments}
     return value if isinstance(value, dict) else {"_unparsed_arguments": arguments}
 
