@@ -285,3 +285,9 @@ def test_a_pollable_call_exempts_only_itself_not_the_rest_of_its_step() -> None:
     # repeated fetch counts as it would alone.
     assert fired[:2] == [(5, Verdict.WARN, LoopRule.REPEAT), (6, Verdict.TERMINATE, LoopRule.REPEAT)]
 
+
+
+def test_a_process_state_change_is_not_normalised_away_but_its_pid_is() -> None:
+    assert normalise_observation("Process started") != normalise_observation("Process exited")
+    assert normalise_observation("process 4242 exited") == normalise_observation("process 4317 exited")
+    assert normalise_observation("pid=4242 ok") == normalise_observation("pid=17 ok")

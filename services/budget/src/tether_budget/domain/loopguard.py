@@ -38,7 +38,9 @@ _VOLATILE_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
         ),
         "<duration>",
     ),
-    (re.compile(r"\b(?:pid|process|request[_ -]?id|trace[_ -]?id)[=: ]+\w+", re.I), "<id>"),
+    # A process id is a number ("Process started" / "Process exited" are states, not ids).
+    (re.compile(r"\b(?:pid|process)[=: ]+\d+\b", re.I), "<id>"),
+    (re.compile(r"\b(?:request[_ -]?id|trace[_ -]?id)[=: ]+\w+", re.I), "<id>"),
     (re.compile(r"\b0x[0-9a-f]{6,}\b", re.I), "<addr>"),
 )
 
