@@ -209,6 +209,20 @@ def test_a_changed_decision_with_a_recomputed_chain_is_a_decision_mismatch():
     assert report.mismatches[0].seq == log[i].seq
 
 
+def test_a_rewrite_with_a_recomputed_chain_passes_the_log_but_not_a_comparison_of_heads():
+    # The chain is an unkeyed hash (docs/audit.md): a rewritten final answer with every later hash
+    # recomputed changes no decision and passes. The heads the audit reports differ from the ones
+    # kept elsewhere (here: the first audit's), which is how such a rewrite is caught.
+    log = clean_run().log
+    before = verify_log(log).to_json()["heads"]
+    assert before == {RUN: {"seq": log[-1].seq, "hash": log[-1].hash}}
+    i = next(i for i, e in enumerate(log) if e.event_type == "tether.v1.RunCompleted")
+    done = open_payload(log[i])
+    rewritten = verify_log(_replace(log, i, done.model_copy(update={"answer": "something else"}), reseal=True))
+    assert rewritten.ok, render_text(rewritten)
+    assert rewritten.to_json()["heads"][RUN]["hash"] != before[RUN]["hash"]
+
+
 def test_a_tool_call_budgeted_past_the_cap_is_reported():
     s = Sequencer(_submit(max_tool_calls=1))
     s.intake(_model(1, 2), "planner", "m1")

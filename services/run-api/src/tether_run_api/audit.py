@@ -77,6 +77,11 @@ class AuditReport:
     absent_runs: list[str] = field(default_factory=list)
     #: Partitions whose first records were deleted: partition → the offset its log starts at.
     deleted: dict[int, int] = field(default_factory=dict)
+    #: Each run's chain head in the log: run id → (last seq, its hash). The chain is an unkeyed
+    #: hash: whoever can write the topic can rewrite an event and every hash after it, so the
+    #: log alone proves consistency, not authenticity. Compared with a copy kept elsewhere (the
+    #: read model's runs.last_seq/last_hash, or heads recorded by an earlier audit), it does.
+    heads: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     @property
     def mismatches(self) -> list[Finding]:
@@ -91,7 +96,8 @@ class AuditReport:
                 "mismatches": [asdict(f) for f in self.mismatches],
                 "notes": [asdict(f) for f in self.findings if f.check == "note"],
                 "open": list(self.open_runs), "absent": list(self.absent_runs),
-                "deleted": [{"partition": p, "log_start_offset": o} for p, o in sorted(self.deleted.items())]}
+                "deleted": [{"partition": p, "log_start_offset": o} for p, o in sorted(self.deleted.items())],
+                "heads": {run_id: {"seq": seq, "hash": hash_} for run_id, (seq, hash_) in sorted(self.heads.items())}}
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,8 @@ def verify_log(envelopes: Iterable[Envelope], config: AuditConfig | None = None,
         report.events += len(envs)
         for p in verify_chain(envs):
             report.findings.append(Finding("chain", run_id, p.seq, p.kind.value, p.detail))
+        head = max(envs, key=lambda e: e.seq or 0)
+        report.heads[run_id] = (head.seq or 0, head.hash or "")
         events: list[Event] = []
         for env in sorted(envs, key=lambda e: e.seq or 0):
             try:
