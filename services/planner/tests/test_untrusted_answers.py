@@ -162,3 +162,17 @@ def test_canonical_json_refuses_nan() -> None:
 
     with pytest.raises(ValueError):
         canonical_json({"n": float("nan")})
+
+
+# -- 4. duplicate tool-call ids --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ids", [["a_2", "a", "a"], ["a", "a", "a_1"], ["", "call_1_0_0", ""], ["x", "x", "x", "x_2"]])
+def test_tool_call_ids_are_made_unique(mock_model: Any, ids: list[str]) -> None:
+    h = mock_model([oa({"content": None, "tool_calls": [tc(i, "anything", "{}") for i in ids]})])
+    out = h.run(open_tools=True)
+    made = [p.call.provider_call_id for p in out if isinstance(p, ToolCallRequested)]
+    assert len(made) == len(ids) and len(set(made)) == len(ids), made
+    assert all(m for m in made)
+    state_ids = [c.id for m in h.driver.states["r1"].messages if m.role == "assistant" for c in m.tool_calls]
+    assert state_ids == made

@@ -239,12 +239,19 @@ def _unusable(text: str, calls: Sequence[RawToolCall], response: ModelResponse, 
 
 def _unique_ids(calls: Sequence[RawToolCall], step: int, model_call: int) -> list[RawToolCall]:
     # Tool results are matched to calls by id, so every call needs a distinct, non-empty one.
+    # A made-up id is checked again (a_2, a, a must not give a_2 twice) and avoids the ids the
+    # provider gave the later calls.
+    given = {c.id for c in calls if c.id}
     seen: set[str] = set()
     out = []
     for i, c in enumerate(calls):
         cid = c.id or f"call_{step}_{model_call}_{i}"
-        if cid in seen:
-            cid = f"{cid}_{i}"
+        if cid in seen or (not c.id and cid in given):
+            base, n = cid, i
+            cid = f"{base}_{n}"
+            while cid in seen or cid in given:
+                n += 1
+                cid = f"{base}_{n}"
         seen.add(cid)
         out.append(RawToolCall(cid, c.name, c.arguments))
     return out
