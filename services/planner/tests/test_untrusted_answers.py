@@ -176,3 +176,73 @@ def test_tool_call_ids_are_made_unique(mock_model: Any, ids: list[str]) -> None:
     assert all(m for m in made)
     state_ids = [c.id for m in h.driver.states["r1"].messages if m.role == "assistant" for c in m.tool_calls]
     assert state_ids == made
+
+
+# -- 5. answers not in the shape of the provider's API ----------------------------------------------
+
+BAD_REPAIR = oa({"content": None, "tool_calls": [tc("a", "anything", '{"url":')]}, usage={"prompt_tokens": 50_000, "completion_tokens": 4_000})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"choices": {"x": 1}},
+        oa({"content": None, "tool_calls": ["oops"]}),
+        oa({"content": "x"}, "stop", usage=5),
+        oa({"content": "x"}, "stop", usage={"prompt_tokens": 100.5, "completion_tokens": 3}),
+        oa({"content": "x"}, "stop", usage={"prompt_tokens": "100", "completion_tokens": 3}),
+        b'{"choices":[{"message":{"content":"caf\xe9"},"finish_reason":"stop"}]}',
+        b"[" * 100_000 + b"]" * 100_000,
+    ],
+    ids=["choices-dict", "call-string", "usage-int", "usage-float", "usage-string", "not-utf8", "deep-body"],
+)
+def test_a_badly_shaped_answer_is_malformed_and_earlier_usage_is_kept(mock_model: Any, bad: Any) -> None:
+    h = mock_model([BAD_REPAIR, bad, bad])
+    f = failed(h.run(open_tools=True))
+    assert f.error_code == "MALFORMED_OUTPUT" and "INVALID_RESPONSE" in f.detail, f.detail
+    assert f.usage.input_tokens > 50_000 and f.usage.output_tokens == 4_000
+    assert f.attempts == 3 and len(h.http_requests) == 3
+
+
+def test_a_badly_shaped_answer_is_asked_again(mock_model: Any) -> None:
+    out = mock_model([{"choices": ["x"]}, GOOD_CALL]).run(open_tools=True)
+    assert [type(p) for p in out] == [ModelCallCompleted, ToolCallRequested]
+    assert out[0].attempts == 2
+
+
+def test_arguments_nested_too_deeply_are_invalid_json(mock_model: Any) -> None:
+    deep = oa({"content": None, "tool_calls": [tc("a", "anything", "[" * 20_000 + "]" * 20_000)]})
+    h = mock_model([deep, GOOD_CALL])
+    out = h.run(open_tools=True)
+    assert [type(p) for p in out] == [ModelCallCompleted, ToolCallRequested]
+    repairs = [m.content for m in h.driver.states["r1"].messages if m.role == "tool" and m.repair]
+    assert "INVALID_JSON" in repairs[0] and "nested too deeply" in repairs[0]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"type": "message", "content": ["hi"], "stop_reason": "end_turn", "usage": {"input_tokens": 10, "output_tokens": 2}},
+        {"type": "message", "content": [{"type": "text", "text": "x"}], "stop_reason": "end_turn",
+         "usage": {"input_tokens": "ten", "output_tokens": 2}},
+    ],
+    ids=["block-string", "tokens-string"],
+)
+def test_a_badly_shaped_anthropic_answer_is_malformed(mock_model: Any, bad: dict) -> None:
+    f = failed(mock_model([bad] * 3).run(model=ModelRef(provider="anthropic", name="claude-x")))
+    assert f.error_code == "MALFORMED_OUTPUT" and "INVALID_RESPONSE" in f.detail and f.attempts == 3
+    assert f.usage.input_tokens > 0
+
+
+def test_a_streamed_tool_call_without_an_index_is_malformed(mock_model: Any) -> None:
+    chunk = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": None, "id": "a", "function": {"name": "anything",
+             "arguments": "{}"}}]}, "finish_reason": "tool_calls"}]}
+    body = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+
+    def sse(_request: Any) -> Any:
+        import httpx
+
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    f = failed(mock_model([sse] * 3, stream=True).run(open_tools=True))
+    assert f.error_code == "MALFORMED_OUTPUT" and "INVALID_RESPONSE" in f.detail and f.attempts == 3

@@ -36,6 +36,7 @@ from tether_planner.providers.port import (
     FINISH_LENGTH,
     FINISH_TOOL_CALLS,
     ContextOverflow,
+    MalformedResponse,
     ModelProvider,
     ModelRequest,
     ModelResponse,
@@ -389,6 +390,18 @@ def run_step(
             working = c.apply(working)
             compacted = True
             log.warning("emergency_compaction", run_id=inp.run_id, step=inp.step, replaced=c.replaced)
+            continue
+        except MalformedResponse as exc:
+            # The provider answered (and billed the prompt, estimated here: the usage was unreadable)
+            # in a shape the adapter could not read: a malformed answer, asked again within the limit.
+            tally.attempts += exc.attempts
+            cost = pricing.cost(inp.model.name, estimated, 0)
+            tally.usage = tally.usage + UsageTotals(input_tokens=estimated, cost_usd_micros=cost.usd_micros)
+            tally.priced = tally.priced and cost.priced
+            failures += 1
+            log.info("malformed_answer", run_id=inp.run_id, step=inp.step, failures=failures, detail=exc.detail)
+            if failures >= config.malformed_limit:
+                return failed(MALFORMED_OUTPUT, f"{exc.detail} ({failures} consecutive unusable responses)")
             continue
         except ProviderError as exc:
             tally.attempts += exc.attempts

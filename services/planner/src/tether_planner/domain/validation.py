@@ -93,6 +93,8 @@ def check_call(raw: RawToolCall, tools: Mapping[str, ToolView]) -> ValidCall | C
         return CallProblem(raw, INVALID_JSON, f"arguments are not valid JSON: {exc.msg} at position {exc.pos}")
     except NonStandardJson as exc:
         return CallProblem(raw, INVALID_JSON, f"arguments are not valid JSON: {exc}")
+    except RecursionError:
+        return CallProblem(raw, INVALID_JSON, "arguments are nested too deeply to read")
     if not isinstance(args, dict):
         return CallProblem(raw, ARGS_NOT_OBJECT, f"arguments must be a JSON object, got {type(args).__name__}")
     args_json = canonical_json(args)

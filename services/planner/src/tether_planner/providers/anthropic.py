@@ -10,7 +10,14 @@ from typing import Any
 from tether_planner.domain.canonical import loads_standard
 from tether_planner.domain.messages import ChatMessage, ToolView
 from tether_planner.domain.validation import RawToolCall
-from tether_planner.providers.http import HttpProvider, HttpSettings, error_message, is_context_overflow
+from tether_planner.providers.http import (
+    HttpProvider,
+    HttpSettings,
+    error_message,
+    is_context_overflow,
+    token_count,
+    usage_object,
+)
 from tether_planner.providers.port import (
     FINISH_ERROR,
     FINISH_INCOMPLETE,
@@ -96,11 +103,13 @@ def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def _input_tokens(usage: dict[str, Any]) -> int | None:
-    if usage.get("input_tokens") is None:
+def _input_tokens(usage: Any) -> int | None:
+    usage = usage_object(usage)
+    tokens = token_count(usage.get("input_tokens"))
+    if tokens is None:
         return None
-    return int(usage["input_tokens"]) + int(usage.get("cache_creation_input_tokens") or 0) + int(
-        usage.get("cache_read_input_tokens") or 0
+    return tokens + (token_count(usage.get("cache_creation_input_tokens")) or 0) + (
+        token_count(usage.get("cache_read_input_tokens")) or 0
     )
 
 
@@ -166,8 +175,8 @@ class AnthropicProvider(HttpProvider):
             if b.get("type") == "tool_use"
         ]
         finish = _finish(data.get("stop_reason"), bool(calls))
-        usage = data.get("usage") or {}
-        return text, calls, finish, _input_tokens(usage), usage.get("output_tokens"), data.get("model")
+        usage = usage_object(data.get("usage"))
+        return text, calls, finish, _input_tokens(usage), token_count(usage.get("output_tokens")), data.get("model")
 
     def _parse_stream(self, events: Iterator[tuple[str | None, str]]) -> tuple:
         blocks: dict[int, dict[str, Any]] = {}
@@ -187,8 +196,8 @@ class AnthropicProvider(HttpProvider):
             if kind == "message_start":
                 message = ev.get("message") or {}
                 model = message.get("model")
-                usage_in = _input_tokens(message.get("usage") or {})
-                usage_out = (message.get("usage") or {}).get("output_tokens")
+                usage_in = _input_tokens(message.get("usage"))
+                usage_out = token_count(usage_object(message.get("usage")).get("output_tokens"))
             elif kind == "content_block_start":
                 block = dict(ev.get("content_block") or {})
                 block["partial_json"] = ""
@@ -202,8 +211,8 @@ class AnthropicProvider(HttpProvider):
                     block["partial_json"] += delta.get("partial_json", "")
             elif kind == "message_delta":
                 stop_reason = (ev.get("delta") or {}).get("stop_reason") or stop_reason
-                if (ev.get("usage") or {}).get("output_tokens") is not None:
-                    usage_out = ev["usage"]["output_tokens"]
+                if usage_object(ev.get("usage")).get("output_tokens") is not None:
+                    usage_out = token_count(ev["usage"]["output_tokens"])
             elif kind == "message_stop":
                 stopped = True
                 break

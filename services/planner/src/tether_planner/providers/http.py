@@ -15,7 +15,13 @@ import structlog
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from tether_planner.domain.redaction import Scrubber
-from tether_planner.providers.port import ContextOverflow, ModelRequest, ProviderError, ProviderTimeout
+from tether_planner.providers.port import (
+    ContextOverflow,
+    MalformedResponse,
+    ModelRequest,
+    ProviderError,
+    ProviderTimeout,
+)
 
 log = structlog.get_logger("tether_planner.providers")
 
@@ -99,6 +105,34 @@ def error_message(body: Any, fallback: str) -> str:
         if body.get("message"):
             return str(body["message"])
     return fallback
+
+
+def token_count(value: Any) -> int | None:
+    """A usage count as sent: an integer (also 12.0), or None when absent; anything else
+    (a string, a fraction, a bool, an object) is not a count (ValueError: a malformed answer)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"a token count is {type(value).__name__}, not an integer")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"a token count is {value!r}, not an integer")
+    return int(value)
+
+
+def usage_object(value: Any) -> dict[str, Any]:
+    """The usage object of an answer ({} when absent); anything but an object is a malformed answer."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"usage is {type(value).__name__}, not an object")
+    return value
+
+
+def _malformed(exc: BaseException) -> MalformedResponse:
+    text = str(exc)
+    return MalformedResponse(
+        f"INVALID_RESPONSE: the provider's answer is not in the expected shape: {type(exc).__name__}: {text[:300]}"
+    )
 
 
 def is_context_overflow(status: int | None, message: str) -> bool:
@@ -240,7 +274,12 @@ class HttpProvider:
                     with self._client.stream("POST", url, json=body, headers=all_headers) as response:
                         if response.status_code >= 400:
                             raise status_error(response, self.scrub)
-                        return parse_stream(iter_sse(response.iter_lines()))
+                        try:
+                            return parse_stream(iter_sse(response.iter_lines()))
+                        except (ProviderError, httpx.HTTPError):
+                            raise
+                        except Exception as exc:  # the answer's shape: untrusted input, never a crash
+                            raise _malformed(exc) from exc
                 response = self._client.post(url, json=body, headers=all_headers)
                 if response.status_code >= 400:
                     raise status_error(response, self.scrub)
@@ -248,7 +287,14 @@ class HttpProvider:
                     data = response.json()
                 except json.JSONDecodeError as exc:
                     raise ProviderError(f"response is not JSON: {exc}", status=response.status_code, retryable=True) from exc
-                return parse(data)
+                except (UnicodeDecodeError, RecursionError) as exc:
+                    raise _malformed(exc) from exc
+                try:
+                    return parse(data)
+                except ProviderError:
+                    raise
+                except Exception as exc:  # the answer's shape: untrusted input, never a crash
+                    raise _malformed(exc) from exc
             except httpx.TimeoutException as exc:
                 raise ProviderTimeout(f"{type(exc).__name__} talking to the model provider", retryable=True) from exc
             except httpx.TransportError as exc:

@@ -9,7 +9,14 @@ from typing import Any, Literal
 
 from tether_planner.domain.messages import ChatMessage, ToolView
 from tether_planner.domain.validation import RawToolCall
-from tether_planner.providers.http import HttpProvider, HttpSettings, error_message, is_context_overflow
+from tether_planner.providers.http import (
+    HttpProvider,
+    HttpSettings,
+    error_message,
+    is_context_overflow,
+    token_count,
+    usage_object,
+)
 from tether_planner.providers.port import (
     FINISH_ERROR,
     FINISH_INCOMPLETE,
@@ -152,13 +159,13 @@ class OpenAIChatProvider(HttpProvider):
             calls.append(RawToolCall(self._call_id(request, 0), str(legacy.get("name", "")), _arguments(legacy.get("arguments"))))
         raw_finish = choice.get("finish_reason")
         finish = (_finish(raw_finish, bool(calls)), str(raw_finish) if raw_finish is not None else None)
-        usage = data.get("usage") or {}
+        usage = usage_object(data.get("usage"))
         return (
             _text(message.get("content")),
             calls,
             finish,
-            usage.get("prompt_tokens"),
-            usage.get("completion_tokens"),
+            token_count(usage.get("prompt_tokens")),
+            token_count(usage.get("completion_tokens")),
             data.get("model"),
         )
 
@@ -211,4 +218,6 @@ class OpenAIChatProvider(HttpProvider):
             for n, i in enumerate(sorted(slots))
         ]
         normalised = (_finish(finish, bool(calls)), str(finish) if finish is not None else None)
-        return "".join(text), calls, normalised, usage.get("prompt_tokens"), usage.get("completion_tokens"), model
+        usage = usage_object(usage)
+        prompt, completion = token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens"))
+        return "".join(text), calls, normalised, prompt, completion, model

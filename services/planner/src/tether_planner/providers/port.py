@@ -93,6 +93,14 @@ class ContextOverflow(ProviderError):
     code = "CONTEXT_OVERFLOW"
 
 
+class MalformedResponse(ProviderError):
+    """The provider answered, but not in the shape of its API (a field of the wrong type, a body that
+    is not UTF-8, nesting too deep to read): a malformed answer, asked again within the step's
+    malformed limit (not retried by the adapter), then MALFORMED_OUTPUT. Its usage could not be read."""
+
+    code = "MALFORMED_OUTPUT"
+
+
 class UnknownProvider(ProviderError):
     """The run's model names a provider the planner has no adapter for."""
 
