@@ -338,6 +338,20 @@ def _unapproved_email_run(run_id: str) -> list[Envelope]:
     return forged
 
 
+@pytest.mark.parametrize("content", [None, "{not json", '{"version": 3}'], ids=["missing", "not-json", "invalid"])
+def test_cli_a_bad_policy_file_is_a_documented_error_not_a_traceback(tmp_path, content):
+    path = tmp_path / "policy.json"
+    if content is not None:
+        path.write_text(content)
+    result = CliRunner().invoke(cli.app, ["audit", "verify", "--bootstrap", "127.0.0.1:1",
+                                          "--policy-file", str(path), "--json"])
+    # The policy is read before the log: no broker needed. CliError is what `tether` turns into the exit code.
+    assert isinstance(result.exception, CliError) and result.exception.exit_code == 2, result.output
+    error = json.loads(result.stdout)
+    assert error["ok"] is False and error["error"]["reason"] == "BAD_POLICY_FILE"
+    assert str(path) in error["error"]["message"] or "policy" in error["error"]["message"]
+
+
 @pytest.mark.integration
 def test_cli_reads_the_log_from_kafka_and_exits_non_zero_on_a_mismatch(kafka_bootstrap):
     prefix = f"audit-{uuid.uuid4().hex[:10]}."

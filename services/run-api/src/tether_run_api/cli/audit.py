@@ -20,6 +20,16 @@ audit_app = typer.Typer(help="Audit the run event log: hash chains and every dec
 EXIT_MISMATCH = 3
 #: Exit code when the log could not be read.
 EXIT_UNREADABLE = 4
+#: Exit code when a --policy-file cannot be read or is not a valid policy document.
+EXIT_BAD_POLICY = 2
+
+
+def _fail(message: str, reason: str, exit_code: int, as_json: bool) -> CliError:
+    """The error to raise; with --json the reason is also printed as a JSON object on stdout, so a
+    script reading the output gets one document whatever happened."""
+    if as_json:
+        typer.echo(json.dumps({"ok": False, "error": {"reason": reason, "message": message}}, indent=2))
+    return CliError(message, exit_code=exit_code)
 
 
 @audit_app.command()
@@ -41,16 +51,21 @@ def verify(
     """Read tether.run-events.v1 from offset 0 (read_committed, either wire format), check every run's
     hash chain and re-derive its budget, gateway and approval decisions; exit non-zero on any mismatch."""
     from tether_run_api.cli.main import _json  # the global --json option counts too
+    from tether_tool_gateway.domain.policy_document import PolicyDocumentInvalid
 
-    texts = {str(p): p.read_text(encoding="utf-8") for p in policy_file or []}
-    config = AuditConfig(gateway_policies=policies_from_texts(texts))
+    as_json = json_output or _json()
+    try:
+        texts = {str(p): p.read_text(encoding="utf-8") for p in policy_file or []}
+        config = AuditConfig(gateway_policies=policies_from_texts(texts))
+    except (OSError, UnicodeDecodeError, PolicyDocumentInvalid) as err:
+        raise _fail(f"--policy-file: {err}", "BAD_POLICY_FILE", EXIT_BAD_POLICY, as_json) from None
     try:
         envelopes = read_run_log(bootstrap, Topics(topic_prefix).run_events,
                                  schema_registry_url=schema_registry_url, timeout_s=timeout_s)
     except LogReadError as err:
-        raise CliError(f"cannot read the run event log: {err}", exit_code=EXIT_UNREADABLE) from err
+        raise _fail(f"cannot read the run event log: {err}", "LOG_UNREADABLE", EXIT_UNREADABLE, as_json) from err
     report = verify_log(envelopes, config, run_ids=set(run) if run else None)
-    if json_output or _json():
+    if as_json:
         typer.echo(json.dumps(report.to_json(), indent=2))
     else:
         typer.echo(render_text(report))
