@@ -246,3 +246,40 @@ def test_a_streamed_tool_call_without_an_index_is_malformed(mock_model: Any) -> 
 
     f = failed(mock_model([sse] * 3, stream=True).run(open_tools=True))
     assert f.error_code == "MALFORMED_OUTPUT" and "INVALID_RESPONSE" in f.detail and f.attempts == 3
+
+
+# -- 6. retries and the tokens they cost ----------------------------------------------------------
+
+
+def _sse(*chunks: dict, done: bool = True) -> Any:
+    import httpx
+
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + ("data: [DONE]\n\n" if done else "")
+    return lambda _request: httpx.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
+
+
+def test_a_stream_cut_after_its_usage_is_billed_when_retried(mock_model: Any) -> None:
+    partial = {"choices": [{"index": 0, "delta": {"content": "partial"}}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 90_000, "completion_tokens": 4_000}}
+    ok = [{"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop"}]},
+          {"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 1}}]
+    out = mock_model([_sse(partial, usage, done=False), _sse(*ok)], stream=True).run()
+    assert [type(p) for p in out] == [ModelCallCompleted, RunCompleted]
+    assert (out[0].usage.input_tokens, out[0].usage.output_tokens, out[0].attempts) == (90_100, 4_001, 2)
+
+
+def test_a_stream_cut_every_time_fails_with_the_billed_usage(mock_model: Any) -> None:
+    usage = {"choices": [], "usage": {"prompt_tokens": 1_000, "completion_tokens": 10}}
+    f = failed(mock_model([_sse(usage, done=False)] * 3, stream=True).run())
+    assert f.error_code == "PROVIDER_ERROR" and (f.usage.input_tokens, f.usage.output_tokens, f.attempts) == (3_000, 30, 3)
+
+
+def test_a_200_with_a_non_retryable_error_is_not_retried(mock_model: Any) -> None:
+    error = {"error": {"message": "invalid model", "type": "invalid_request_error"}}
+    h = mock_model([error] * 3)
+    f = failed(h.run())
+    assert f.error_code == "PROVIDER_ERROR" and f.attempts == 1 and len(h.http_requests) == 1
+    # ...while a transient one still is.
+    error = {"error": {"message": "try later", "type": "server_error"}}
+    out = mock_model([error, oa({"content": "fine"}, "stop")]).run()
+    assert [type(p) for p in out] == [ModelCallCompleted, RunCompleted] and out[0].attempts == 2

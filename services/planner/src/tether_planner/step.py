@@ -330,6 +330,14 @@ def run_step(
             tally.priced, tally.model_calls, tuple(working), base_len,
         )
 
+    def bill(input_tokens: int, output_tokens: int) -> None:
+        input_tokens, output_tokens = min(input_tokens, MAX_TOKENS_PER_CALL), min(output_tokens, MAX_TOKENS_PER_CALL)
+        cost = pricing.cost(inp.model.name, input_tokens, output_tokens)
+        tally.usage = tally.usage + UsageTotals(
+            input_tokens=input_tokens, output_tokens=output_tokens, cost_usd_micros=cost.usd_micros
+        )
+        tally.priced = tally.priced and cost.priced
+
     try:
         adapter = provider()
     except ProviderError as exc:
@@ -381,6 +389,8 @@ def run_step(
             response = adapter.complete(request)
         except ContextOverflow as exc:
             tally.attempts += exc.attempts
+            if exc.input_tokens or exc.output_tokens:
+                bill(exc.input_tokens, exc.output_tokens)
             c = None
             if not emergency_used:
                 c = compact(working, keep_turns=config.emergency_keep_turns, summary_max_chars=config.summary_max_chars)
@@ -395,9 +405,7 @@ def run_step(
             # The provider answered (and billed the prompt, estimated here: the usage was unreadable)
             # in a shape the adapter could not read: a malformed answer, asked again within the limit.
             tally.attempts += exc.attempts
-            cost = pricing.cost(inp.model.name, estimated, 0)
-            tally.usage = tally.usage + UsageTotals(input_tokens=estimated, cost_usd_micros=cost.usd_micros)
-            tally.priced = tally.priced and cost.priced
+            bill(estimated + exc.input_tokens, exc.output_tokens)
             failures += 1
             log.info("malformed_answer", run_id=inp.run_id, step=inp.step, failures=failures, detail=exc.detail)
             if failures >= config.malformed_limit:
@@ -405,6 +413,8 @@ def run_step(
             continue
         except ProviderError as exc:
             tally.attempts += exc.attempts
+            if exc.input_tokens or exc.output_tokens:
+                bill(exc.input_tokens, exc.output_tokens)
             return failed(exc.code, exc.detail)
 
         text = clean_text(response.text)
@@ -417,13 +427,13 @@ def run_step(
             )
         input_tokens = reported_in if reported_in is not None else estimated
         output_tokens = reported_out if reported_out is not None else _estimate_output(text, calls)
-        cost = pricing.cost(inp.model.name, input_tokens, output_tokens)
-        tally.usage = tally.usage + UsageTotals(
-            input_tokens=input_tokens, output_tokens=output_tokens, cost_usd_micros=cost.usd_micros
+        # Earlier attempts of this call that were billed before they failed (a cut stream) count too.
+        bill(
+            input_tokens + (_tokens(response.retried_input_tokens) or 0),
+            output_tokens + (_tokens(response.retried_output_tokens) or 0),
         )
         tally.attempts += response.attempts
         tally.latency_ms += response.latency_ms
-        tally.priced = tally.priced and cost.priced
 
         # A response the provider stopped (content filter, refusal) or cut off at max_tokens is not
         # an answer: a cut-off text would end the run COMPLETED with half an answer, and cut-off

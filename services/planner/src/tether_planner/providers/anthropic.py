@@ -143,7 +143,7 @@ class AnthropicProvider(HttpProvider):
         if self.settings.api_key:
             headers["x-api-key"] = self.settings.api_key
         started = time.monotonic()
-        (text, calls, (finish, raw_finish), usage_in, usage_out, model), attempts = self.post(
+        (text, calls, (finish, raw_finish), usage_in, usage_out, model), attempts, retried = self.post(
             request, self.url(), headers, self.body(request), self._parse, self._parse_stream
         )
         return ModelResponse(
@@ -156,6 +156,8 @@ class AnthropicProvider(HttpProvider):
             latency_ms=int((time.monotonic() - started) * 1000),
             model=model or request.model,
             raw_finish_reason=raw_finish,
+            retried_input_tokens=retried[0],
+            retried_output_tokens=retried[1],
         )
 
     def _error(self, body: Any) -> ProviderError:
@@ -217,7 +219,10 @@ class AnthropicProvider(HttpProvider):
                 stopped = True
                 break
         if not stopped:
-            raise ProviderError("stream ended before message_stop", retryable=True)
+            raise ProviderError(
+                "stream ended before message_stop", retryable=True,
+                input_tokens=max(0, usage_in or 0), output_tokens=max(0, usage_out or 0),
+            )
         text = "".join(b.get("text", "") for _, b in sorted(blocks.items()) if b.get("type") == "text")
         calls = []
         for _, b in sorted(blocks.items()):

@@ -224,8 +224,12 @@ class HttpProvider:
             return min(exc.retry_after, self.settings.retry.retry_after_max_s)
         return float(self._backoff(state))
 
-    def with_retries(self, request: ModelRequest, attempt_fn: Callable[[int], T]) -> tuple[T, int]:
-        """Run `attempt_fn(attempt_number)` until it succeeds or a non-retryable error / the last attempt."""
+    def with_retries(self, request: ModelRequest, attempt_fn: Callable[[int], T]) -> tuple[T, int, tuple[int, int]]:
+        """Run `attempt_fn(attempt_number)` until it succeeds or a non-retryable error / the last attempt.
+
+        Returns the value, the attempts made and the (input, output) tokens reported by failed
+        attempts (billed though unusable); a final ProviderError carries those sums."""
+        billed = [0, 0]
         retrying = Retrying(
             stop=stop_after_attempt(self.settings.retry.max_attempts),
             wait=self._wait,
@@ -239,8 +243,10 @@ class HttpProvider:
                 with attempt:
                     attempt_number = attempt.retry_state.attempt_number
                     try:
-                        return attempt_fn(attempt_number), attempt_number
+                        return attempt_fn(attempt_number), attempt_number, (billed[0], billed[1])
                     except ProviderError as exc:
+                        billed[0] += exc.input_tokens
+                        billed[1] += exc.output_tokens
                         log.info(
                             "model_attempt_failed",
                             run_id=request.run_id,
@@ -253,6 +259,7 @@ class HttpProvider:
                         raise
         except ProviderError as exc:
             exc.attempts = attempt_number
+            exc.input_tokens, exc.output_tokens = billed
             raise
         raise ProviderError("no attempt was made", attempts=attempt_number)  # unreachable: stop_after_attempt >= 1
 
@@ -264,7 +271,7 @@ class HttpProvider:
         body: dict[str, Any],
         parse: Callable[[Any], T],
         parse_stream: Callable[[Iterator[tuple[str | None, str]]], T],
-    ) -> tuple[T, int]:
+    ) -> tuple[T, int, tuple[int, int]]:
         """POST with retries; `parse` reads a JSON body, `parse_stream` an SSE stream."""
 
         def attempt(n: int) -> T:

@@ -39,6 +39,20 @@ _FINISH = {
 }
 
 
+#: Error types (OpenAI `error.type` / `error.code`) worth another attempt when a 200 body carries an error.
+_RETRYABLE_ERROR_TYPES = {"server_error", "rate_limit_exceeded", "rate_limit_error", "overloaded_error", "api_error",
+                          "timeout", "timeout_error", "service_unavailable"}
+
+
+def _billed(usage: Any) -> tuple[int, int]:
+    """The (input, output) tokens a cut stream reported before it stopped; (0, 0) when unreadable."""
+    try:
+        usage = usage_object(usage)
+        return (max(0, token_count(usage.get("prompt_tokens")) or 0), max(0, token_count(usage.get("completion_tokens")) or 0))
+    except ValueError:
+        return 0, 0
+
+
 def _finish(raw: Any, has_calls: bool) -> str:
     """The normalised finish reason: none sent means a finished answer; an unknown one means incomplete."""
     if not raw:
@@ -122,7 +136,7 @@ class OpenAIChatProvider(HttpProvider):
             headers["Authorization"] = f"Bearer {self.settings.api_key}"
         url = self.settings.base_url.rstrip("/") + "/chat/completions"
         started = time.monotonic()
-        (text, calls, (finish, raw_finish), usage_in, usage_out, model), attempts = self.post(
+        (text, calls, (finish, raw_finish), usage_in, usage_out, model), attempts, retried = self.post(
             request, url, headers, self.body(request), lambda d: self._parse(d, request), lambda s: self._parse_stream(s, request)
         )
         return ModelResponse(
@@ -135,6 +149,8 @@ class OpenAIChatProvider(HttpProvider):
             latency_ms=int((time.monotonic() - started) * 1000),
             model=model or request.model,
             raw_finish_reason=raw_finish,
+            retried_input_tokens=retried[0],
+            retried_output_tokens=retried[1],
         )
 
     @staticmethod
@@ -146,7 +162,11 @@ class OpenAIChatProvider(HttpProvider):
             message = error_message(data, "response has no choices")
             if is_context_overflow(None, message):
                 raise ContextOverflow(self.scrub(message))
-            raise ProviderError(f"malformed provider response: {self.scrub(message)}", retryable=True)
+            err = data.get("error") if isinstance(data, dict) else None
+            kind = (err.get("type") or err.get("code")) if isinstance(err, dict) else None
+            # An error in a 200 body is retried only when it says it is transient (or does not say).
+            retryable = kind is None or str(kind) in _RETRYABLE_ERROR_TYPES
+            raise ProviderError(f"malformed provider response: {self.scrub(message)}", retryable=retryable)
         choice = data["choices"][0]
         message = choice.get("message") or {}
         calls = []
@@ -212,7 +232,10 @@ class OpenAIChatProvider(HttpProvider):
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
         if not done and finish is None:
-            raise ProviderError("stream ended before the response was complete", retryable=True)
+            billed = _billed(usage)
+            raise ProviderError(
+                "stream ended before the response was complete", retryable=True, input_tokens=billed[0], output_tokens=billed[1]
+            )
         calls = [
             RawToolCall(slots[i]["id"] or self._call_id(request, n), slots[i]["name"], slots[i]["arguments"])
             for n, i in enumerate(sorted(slots))

@@ -52,6 +52,9 @@ class ModelResponse:
     model: str
     #: The finish/stop reason as the provider sent it (for details), when there was one.
     raw_finish_reason: str | None = None
+    #: Tokens reported for earlier attempts of this call that failed after being billed.
+    retried_input_tokens: int = 0
+    retried_output_tokens: int = 0
 
 
 class ProviderError(Exception):
@@ -72,6 +75,8 @@ class ProviderError(Exception):
         retryable: bool = False,
         retry_after: float | None = None,
         attempts: int = 1,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
     ) -> None:
         super().__init__(detail)
         self.detail = detail
@@ -79,6 +84,10 @@ class ProviderError(Exception):
         self.retryable = retryable
         self.retry_after = retry_after
         self.attempts = attempts
+        #: Tokens the provider reported for attempts that failed after it billed them (a stream cut
+        #: after its usage chunk); summed over the call's attempts by the adapter.
+        self.input_tokens = input_tokens
+        self.output_tokens = output_tokens
 
 
 class ProviderTimeout(ProviderError):
