@@ -283,3 +283,12 @@ def test_a_200_with_a_non_retryable_error_is_not_retried(mock_model: Any) -> Non
     error = {"error": {"message": "try later", "type": "server_error"}}
     out = mock_model([error, oa({"content": "fine"}, "stop")]).run()
     assert [type(p) for p in out] == [ModelCallCompleted, RunCompleted] and out[0].attempts == 2
+
+
+def test_an_unexpected_error_in_the_step_keeps_the_usage_of_earlier_calls(mock_model: Any) -> None:
+    def boom(_request: Any) -> Any:
+        raise RuntimeError("adapter bug")
+
+    f = failed(mock_model([BAD_REPAIR, boom]).run(open_tools=True))
+    assert f.error_code == "PROVIDER_ERROR" and "RuntimeError" in f.detail
+    assert (f.usage.input_tokens, f.usage.output_tokens, f.attempts) == (50_000, 4_000, 1)

@@ -311,11 +311,26 @@ def run_step(
     """Call the model for one step until it gives a usable answer, the repairs run out, or it fails.
 
     `provider` is a factory, so choosing the adapter (which fails for an unknown provider)
-    happens here, off the loop thread, and ends as a StepFailed like any other error.
+    happens here, off the loop thread, and ends as a StepFailed like any other error. An
+    unexpected error ends it as PROVIDER_ERROR with the usage of the calls already made (the
+    working context unchanged).
     """
+    tally = _Tally()
+    try:
+        return _run_step(inp, provider, pricing, config, tally)
+    except Exception as exc:
+        log.error("step_work_crashed", run_id=inp.run_id, step=inp.step, error=type(exc).__name__)
+        return StepFailed(
+            inp.step, PROVIDER_ERROR, f"planner error: {type(exc).__name__}: {str(exc)[:500]}", tally.usage,
+            tally.attempts, False, tally.priced, tally.model_calls,
+        )
+
+
+def _run_step(
+    inp: StepInput, provider: Callable[[], ModelProvider], pricing: PricingTable, config: StepConfig, tally: _Tally
+) -> StepResult:
     base_len = len(inp.messages)
     working = list(inp.messages)
-    tally = _Tally()
     compacted = False
 
     def failed(code: str, detail: str) -> StepFailed:
