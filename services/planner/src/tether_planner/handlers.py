@@ -335,7 +335,6 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
         records, new_state = _outcome(result, step, run_id, state, deps)
         for payload, _ in records:
             encode(payload)  # what the loop cannot write must not leave the step pending
-        _observe(result, state.model.provider, state.model.name, deps)
     except Exception as exc:
         # A model answer the planner cannot turn into events (a bug, or input no check caught) still
         # ends the step, with the usage the calls cost: never a dead-lettered work item, nothing emitted.
@@ -351,7 +350,10 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
             max(0, result.model_calls),
         )
         records, new_state = _outcome(result, step, run_id, state, deps)
+    try:
         _observe(result, state.model.provider, state.model.name, deps)
+    except Exception as exc:  # metrics never keep a step's outcome from being recorded
+        log.error("step_metrics_failed", run_id=run_id, step=step, error=type(exc).__name__)
     for payload, what in records:
         _emit(ctx, deps, payload, run_id, state, what, cause)
     if state.ended:
