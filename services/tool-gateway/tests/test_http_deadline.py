@@ -214,3 +214,9 @@ def test_an_httpx_without_the_private_pool_fails_loudly_instead_of_dropping_the_
     monkeypatch.setattr(httpx, "HTTPTransport", RenamedPool)
     with pytest.raises(RuntimeError, match="_pool"):
         deadline_transport(_tls())
+    # ... and the gateway refuses to start with it, rather than failing every HTTP tool call later.
+    from tether_tool_gateway.bootstrap import build_gateway
+    from tether_tool_gateway.settings import GatewaySettings
+
+    with pytest.raises(RuntimeError, match="_pool"):
+        build_gateway(GatewaySettings(sandbox_enabled=False), environ={})

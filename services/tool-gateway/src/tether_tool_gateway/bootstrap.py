@@ -28,7 +28,8 @@ from tether_tool_gateway.domain.policy_document import LoadedPolicy, default_pol
 from tether_tool_gateway.domain.results import ResultLimits
 from tether_tool_gateway.entrypoint import GatewayProcessor
 from tether_tool_gateway.execution import ToolRunner
-from tether_tool_gateway.executors.builtin import BuiltinExecutor
+from tether_tool_gateway.executors.builtin import BuiltinExecutor, _tls
+from tether_tool_gateway.executors.http_deadline import deadline_transport
 from tether_tool_gateway.executors.http_tool import HttpToolExecutor
 from tether_tool_gateway.executors.mcp_stdio import McpStdioExecutor
 from tether_tool_gateway.executors.mcp_tool import McpToolExecutor
@@ -117,6 +118,10 @@ def build_gateway(settings: GatewaySettings, *, boot_id: str | None = None,
     # the process-wide log redactor, so the same values never reach a log line either.
     redactor = log_redactor()
     secrets = SecretRegistry(secret_source(settings, environ or {}), redactor)
+    # The HTTP tools' deadline rides on a private attribute of httpx (executors/http_deadline.py):
+    # build one transport now, so an httpx that no longer takes it stops the start-up here
+    # instead of failing every HTTP tool call later.
+    deadline_transport(_tls()).close()
     executors: dict[str, Executor] = {"builtin": BuiltinExecutor(), "http": HttpToolExecutor(),
                                       "mcp": McpToolExecutor()}
     sandbox: SandboxRunner | None = None
