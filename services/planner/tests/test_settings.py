@@ -65,3 +65,17 @@ def test_defaults_without_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
         assert openai.max_tokens_param == "max_completion_tokens"
     finally:
         deps.providers.close()
+
+
+def test_the_provider_keys_are_registered_with_the_log_redactor(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Log lines are redacted by the process-wide redactor, not by the events' scrubber: a provider's
+    # error text is logged before it is recorded, so that redactor must know the keys too. (A key
+    # with no recognisable shape: only registration catches it.)
+    from tether_runtime.logging import log_redactor
+
+    key = "local-model-key-plain-words"
+    assert key in log_redactor().redact(f"provider said: bad key {key}")
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    deps = build_deps(PlannerSettings(), registry=CollectorRegistry())
+    deps.providers.close()
+    assert key not in log_redactor().redact(f"provider said: bad key {key}")

@@ -177,3 +177,24 @@ def test_a_context_within_the_byte_budget_is_left_alone() -> None:
     result = _run(inp, ScriptedProvider(("Done.", (), "stop")))
     assert isinstance(result, StepSucceeded) and not result.compacted
     assert result.messages[: len(messages)] == messages
+
+
+def test_an_unexpected_errors_text_is_not_cut_inside_a_secret_before_it_is_scrubbed() -> None:
+    # The handler scrubs a failed step's detail and then cuts it; a detail already cut at a fixed
+    # length could end inside a key (a self-hosted model's, with no recognisable shape), and a
+    # piece of a key no longer matches the scrubber.
+    from tether_planner.domain.redaction import Scrubber, cut_whole
+
+    key = "Qm7vT2kLx9Pz4Rw8Nc5HtYu1"
+
+    class LeakyAdapter:
+        def complete(self, request: ModelRequest) -> ModelResponse:
+            raise RuntimeError("x" * 465 + " request failed with key=" + key + " and more")  # the key at 490
+
+    result = run_step(_input(), lambda: LeakyAdapter(), PricingTable(), StepConfig())
+    assert isinstance(result, StepFailed)
+    scrubbed = Scrubber([key])(result.detail)
+    assert not any(key[i:i + 8] in scrubbed for i in range(len(key) - 7)), scrubbed
+    # The cut itself drops the word it falls in.
+    assert cut_whole("aaa bbb " + key, 12) == "aaa bbb …"
+    assert cut_whole("short", 12) == "short"

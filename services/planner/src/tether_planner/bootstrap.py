@@ -17,6 +17,7 @@ from tether_planner.providers.openai import OpenAIChatProvider
 from tether_planner.providers.registry import ProviderRegistry
 from tether_planner.settings import PlannerSettings
 from tether_planner.step import StepConfig
+from tether_runtime.logging import log_redactor
 
 
 def _secret(value: SecretStr | None) -> str | None:
@@ -70,6 +71,9 @@ def build_deps(
     if settings.pricing_file is not None:
         pricing = pricing.with_file(settings.pricing_file)
     secrets = [s for s in (_secret(settings.openai_api_key), _secret(settings.anthropic_api_key)) if s]
+    # Log lines go through the process-wide redactor, not the events' scrubber: it must know the
+    # keys too (a provider's error text is logged before it is recorded).
+    log_redactor().add_secrets(secrets)
     return Deps(
         topics=Topics(settings.topic_prefix),
         providers=providers or build_providers(settings),

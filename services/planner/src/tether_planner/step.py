@@ -20,6 +20,7 @@ from tether_planner.domain.compaction import compact, estimate_tokens, over_thre
 from tether_planner.domain.context import for_request
 from tether_planner.domain.messages import ChatMessage, PinnedModel, ToolCallRef, ToolView, UsageTotals
 from tether_planner.domain.provenance import provenance_of
+from tether_planner.domain.redaction import cut_whole
 from tether_planner.domain.tool_results import wrap_tool_result
 from tether_planner.domain.validation import (
     NOT_EXECUTED,
@@ -321,7 +322,7 @@ def run_step(
     except Exception as exc:
         log.error("step_work_crashed", run_id=inp.run_id, step=inp.step, error=type(exc).__name__)
         return StepFailed(
-            inp.step, PROVIDER_ERROR, f"planner error: {type(exc).__name__}: {str(exc)[:500]}", tally.usage,
+            inp.step, PROVIDER_ERROR, f"planner error: {type(exc).__name__}: {cut_whole(str(exc), 4000)}", tally.usage,
             tally.attempts, False, tally.priced, tally.model_calls,
         )
 

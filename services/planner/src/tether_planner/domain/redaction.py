@@ -28,3 +28,13 @@ class Scrubber:
         for s in self._secrets:
             text = text.replace(s, REDACTED)
         return _SECRET_SHAPES.sub(REDACTED, text)
+
+
+def cut_whole(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters for a message that is scrubbed later, without
+    the word the cut fell in: a known secret cut in half would no longer match the scrubber."""
+    if len(text) <= limit:
+        return text
+    kept = text[:limit]
+    space = max(kept.rfind(" "), kept.rfind("\n"), kept.rfind("\t"))
+    return (kept[:space] if space > 0 else "") + " …"

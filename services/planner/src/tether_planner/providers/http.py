@@ -14,7 +14,7 @@ import httpx
 import structlog
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
-from tether_planner.domain.redaction import Scrubber
+from tether_planner.domain.redaction import Scrubber, cut_whole
 from tether_planner.providers.port import (
     ContextOverflow,
     MalformedResponse,
@@ -131,7 +131,8 @@ def usage_object(value: Any) -> dict[str, Any]:
 def _malformed(exc: BaseException) -> MalformedResponse:
     text = str(exc)
     return MalformedResponse(
-        f"INVALID_RESPONSE: the provider's answer is not in the expected shape: {type(exc).__name__}: {text[:300]}"
+        f"INVALID_RESPONSE: the provider's answer is not in the expected shape: {type(exc).__name__}: "
+        f"{cut_whole(text, 4000)}"
     )
 
 
