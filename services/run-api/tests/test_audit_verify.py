@@ -37,7 +37,7 @@ from tether_messaging.chain import seal
 from tether_messaging.envelopes import derived_id, headers_for, make_envelope
 from tether_messaging.registry import RegistryCodec, SchemaRegistryClient, value_subject
 from tether_messaging.serde import EnvelopeCodec, encode, open_payload
-from tether_run_api.audit import AuditConfig, render_text, verify_log
+from tether_run_api.audit import AuditConfig, RunLog, render_text, verify_log
 from tether_run_api.cli import main as cli
 from tether_run_api.cli.audit import EXIT_UNREADABLE
 from tether_run_api.cli.client import CliError
@@ -221,6 +221,16 @@ def test_a_rewrite_with_a_recomputed_chain_passes_the_log_but_not_a_comparison_o
     rewritten = verify_log(_replace(log, i, done.model_copy(update={"answer": "something else"}), reseal=True))
     assert rewritten.ok, render_text(rewritten)
     assert rewritten.to_json()["heads"][RUN]["hash"] != before[RUN]["hash"]
+
+
+def test_a_run_whose_events_are_on_two_partitions_is_reported():
+    log = clean_run().log
+    one = RunLog(log, topic="t", deleted={}, partitions=[3] * len(log))
+    assert verify_log(one).ok
+    half = len(log) // 2
+    split = verify_log(RunLog(log, topic="t", deleted={}, partitions=[3] * half + [4] * (len(log) - half)))
+    assert [(f.check, f.run_id, f.event_type) for f in split.mismatches] == [("log", RUN, "SPLIT_PARTITIONS")]
+    assert "[3, 4]" in split.mismatches[0].problem
 
 
 def test_a_tool_call_budgeted_past_the_cap_is_reported():

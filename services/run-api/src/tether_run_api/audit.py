@@ -127,11 +127,14 @@ Event = tuple[Envelope, AvroRecord]
 class RunLog(list[Envelope]):
     """The envelopes `read_run_log` read, and the partitions whose first records were deleted."""
 
-    def __init__(self, envelopes: Iterable[Envelope], *, topic: str, deleted: Mapping[int, int]) -> None:
+    def __init__(self, envelopes: Iterable[Envelope], *, topic: str, deleted: Mapping[int, int],
+                 partitions: Iterable[int] | None = None) -> None:
         super().__init__(envelopes)
         self.topic = topic
         #: partition → the offset its log starts at (only partitions that lost records).
         self.deleted = dict(deleted)
+        #: The partition each envelope was read from (same order), when known.
+        self.partitions = list(partitions) if partitions is not None else None
 
 
 def verify_log(envelopes: Iterable[Envelope], config: AuditConfig | None = None, *,
@@ -161,6 +164,19 @@ def verify_log(envelopes: Iterable[Envelope], config: AuditConfig | None = None,
     for env in envelopes:
         if run_ids is None or env.run_id in run_ids:
             by_run[env.run_id].append(env)
+    # A run's events are ordered and chained in one partition (keyed by run id): events of one run
+    # on several partitions mean a producer keyed it wrongly, and its order is then not defined.
+    if isinstance(envelopes, RunLog) and envelopes.partitions is not None:
+        partitions_of: dict[str, set[int]] = defaultdict(set)
+        for env, partition in zip(envelopes, envelopes.partitions, strict=True):
+            if env.run_id in by_run:
+                partitions_of[env.run_id].add(partition)
+        for run_id, found in sorted(partitions_of.items()):
+            if len(found) > 1:
+                report.findings.append(Finding(
+                    "log", run_id, None, "SPLIT_PARTITIONS",
+                    f"events of this run are on partitions {sorted(found)}: a run's events belong to one "
+                    "partition, where they are ordered and chained"))
     policies, allow_version = config.policies()
     for run_id, envs in by_run.items():
         report.runs += 1
@@ -416,7 +432,8 @@ def read_run_log(bootstrap: str, topic: str, *, schema_registry_url: str | None 
     """
     read = read_log(bootstrap, topic, schema_registry_url=schema_registry_url, timeout_s=timeout_s,
                     group_prefix="tether-audit")
-    return RunLog((r.envelope for r in read.records), topic=topic, deleted=read.deleted)
+    return RunLog((r.envelope for r in read.records), topic=topic, deleted=read.deleted,
+                  partitions=(r.partition for r in read.records))
 
 
 def render_text(report: AuditReport) -> str:
