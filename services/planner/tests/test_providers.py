@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,7 +17,13 @@ from tether_planner.domain.messages import ChatMessage, ToolCallRef, ToolView
 from tether_planner.providers.anthropic import AnthropicProvider, to_wire_messages as anthropic_messages
 from tether_planner.providers.http import HttpSettings, RetryPolicy, is_context_overflow, iter_sse, parse_retry_after
 from tether_planner.providers.openai import OpenAIChatProvider, to_wire_messages as openai_messages
-from tether_planner.providers.port import ContextOverflow, ModelRequest, ProviderError, ProviderTimeout
+from tether_planner.providers.port import (
+    ContextOverflow,
+    MalformedResponse,
+    ModelRequest,
+    ProviderError,
+    ProviderTimeout,
+)
 
 TOOL = ToolView(name="http_get", description="GET a URL", args_schema_json='{"type":"object"}')
 
@@ -259,3 +266,86 @@ def test_anthropic_plain_response_and_malformed_input(model_server) -> None:
     assert response.tool_calls[0].arguments == '{"url": '
     assert response.finish_reason == "tool_calls"
     assert model_server.requests()[0]["path"] == "/v1/messages"
+
+
+class _Dripping(BaseHTTPRequestHandler):
+    """A provider that answers 200 and then keeps the answer alive: an SSE ping (or a body byte)
+    every 0.1 s for 30 s — each read well within any read timeout, the whole never ending."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        stream = self.server.stream  # type: ignore[attr-defined]  # set by the test
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
+        self.end_headers()
+        ends = time.monotonic() + 30
+        try:
+            while time.monotonic() < ends:
+                self.wfile.write(b": ping\n\n" if stream else b" ")
+                self.wfile.flush()
+                time.sleep(0.1)
+        except OSError:  # the client gave up
+            pass
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+class _Huge(BaseHTTPRequestHandler):
+    """A provider whose JSON answer never stops growing (2 MB+ of one string)."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        try:
+            self.wfile.write(b'{"choices": [{"message": {"content": "')
+            for _ in range(64):
+                self.wfile.write(b"x" * 65536)
+            self.wfile.write(b'"}}]}')
+        except OSError:
+            pass
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _serve(handler):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+def test_an_answer_kept_alive_for_ever_ends_at_the_call_timeout(stream: bool) -> None:
+    # read_timeout_s bounds each read only: a byte or an SSE ping every 0.1 s kept the work thread for ever.
+    server = _serve(_Dripping)
+    server.stream = stream
+    p = OpenAIChatProvider(HttpSettings(f"http://127.0.0.1:{server.server_port}/v1", read_timeout_s=5,
+                                        call_timeout_s=1.0, retry=FAST))
+    started = time.monotonic()
+    try:
+        with pytest.raises(ProviderTimeout) as err:
+            p.complete(_request("g", stream=stream))
+    finally:
+        p.close()
+        server.shutdown()
+        server.server_close()
+    assert time.monotonic() - started < 10  # the 1 s call timeout (loose: a loaded machine), not the server's 30 s
+    assert err.value.code == "TIMEOUT" and err.value.attempts == 1 and "call_timeout_s" in err.value.detail
+
+
+def test_an_answer_past_the_size_limit_is_malformed() -> None:
+    server = _serve(_Huge)
+    p = OpenAIChatProvider(HttpSettings(f"http://127.0.0.1:{server.server_port}/v1", max_response_bytes=1024 * 1024,
+                                        retry=FAST))
+    try:
+        with pytest.raises(MalformedResponse) as err:
+            p.complete(_request("g"))
+    finally:
+        p.close()
+        server.shutdown()
+        server.server_close()
+    assert "ANSWER_TOO_LARGE" in err.value.detail

@@ -39,6 +39,8 @@ def build_providers(settings: PlannerSettings) -> ProviderRegistry:
             api_key=key,
             connect_timeout_s=settings.connect_timeout_s,
             read_timeout_s=settings.read_timeout_s,
+            call_timeout_s=settings.call_timeout_s,
+            max_response_bytes=settings.max_response_bytes,
             retry=retry,
             max_connections=max(4, settings.work_threads),
         )

@@ -67,6 +67,12 @@ class HttpSettings:
     api_key: str | None = None
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 120.0
+    #: One attempt as a whole (status, headers and body or stream), checked between reads: a
+    #: provider that keeps a stream alive (pings, a slow drip) would otherwise hold a work thread
+    #: for ever, since the read timeout only bounds each read.
+    call_timeout_s: float = 600.0
+    #: Most bytes of one answer (body or stream) read before it is refused as malformed.
+    max_response_bytes: int = 16 * 1024 * 1024
     retry: RetryPolicy = RetryPolicy()
     max_connections: int = 16
 
@@ -143,10 +149,10 @@ def is_context_overflow(status: int | None, message: str) -> bool:
     return any(m in lowered for m in _CONTEXT_MARKERS)
 
 
-def status_error(response: httpx.Response, scrub: Scrubber) -> ProviderError:
-    """The ProviderError an HTTP error response stands for."""
+def status_error(response: httpx.Response, scrub: Scrubber, content: bytes | None = None) -> ProviderError:
+    """The ProviderError an HTTP error response stands for (`content`: its body, if already read)."""
     try:
-        text = response.read().decode("utf-8", "replace")
+        text = (response.read() if content is None else content).decode("utf-8", "replace")
     except httpx.HTTPError:
         text = ""
     try:
@@ -264,6 +270,32 @@ class HttpProvider:
             raise
         raise ProviderError("no attempt was made", attempts=attempt_number)  # unreachable: stop_after_attempt >= 1
 
+    def _bounded_lines(self, response: httpx.Response, deadline: float) -> Iterator[str]:
+        """The response's lines, refused past the attempt's deadline or the answer's size limit."""
+        read = 0
+        for line in response.iter_lines():
+            read += len(line) + 1
+            self._check(read, deadline)
+            yield line
+
+    def _bounded_body(self, response: httpx.Response, deadline: float) -> bytes:
+        chunks, read = [], 0
+        for chunk in response.iter_bytes():
+            read += len(chunk)
+            self._check(read, deadline)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check(self, read: int, deadline: float) -> None:
+        if read > self.settings.max_response_bytes:
+            raise MalformedResponse(
+                f"ANSWER_TOO_LARGE: the provider's answer passed {self.settings.max_response_bytes} bytes")
+        if time.monotonic() > deadline:
+            # Not retried: a provider that kept this call alive that long would likely do it again.
+            raise ProviderTimeout(
+                f"the model call did not finish within {self.settings.call_timeout_s:g} s (call_timeout_s)",
+                retryable=False)
+
     def post(
         self,
         request: ModelRequest,
@@ -277,22 +309,24 @@ class HttpProvider:
 
         def attempt(n: int) -> T:
             all_headers = {**headers, **self.tether_headers(request, n)}
+            deadline = time.monotonic() + self.settings.call_timeout_s
             try:
                 if request.stream:
                     with self._client.stream("POST", url, json=body, headers=all_headers) as response:
                         if response.status_code >= 400:
-                            raise status_error(response, self.scrub)
+                            raise status_error(response, self.scrub, self._bounded_body(response, deadline))
                         try:
-                            return parse_stream(iter_sse(response.iter_lines()))
+                            return parse_stream(iter_sse(self._bounded_lines(response, deadline)))
                         except (ProviderError, httpx.HTTPError):
                             raise
                         except Exception as exc:  # the answer's shape: untrusted input, never a crash
                             raise _malformed(exc) from exc
-                response = self._client.post(url, json=body, headers=all_headers)
+                with self._client.stream("POST", url, json=body, headers=all_headers) as response:
+                    content = self._bounded_body(response, deadline)
                 if response.status_code >= 400:
-                    raise status_error(response, self.scrub)
+                    raise status_error(response, self.scrub, content)
                 try:
-                    data = response.json()
+                    data = json.loads(content)
                 except json.JSONDecodeError as exc:
                     raise ProviderError(f"response is not JSON: {exc}", status=response.status_code, retryable=True) from exc
                 except (UnicodeDecodeError, RecursionError) as exc:
