@@ -164,6 +164,52 @@ def test_send_email_to_a_closed_port_is_a_tool_error():
     assert not exc.value.effect_unknown  # nothing was sent
 
 
+HANGING_RELAY = "relay.lookup-hangs.test"
+
+
+@pytest.fixture
+def relay_lookup_hangs(monkeypatch):
+    """socket.getaddrinfo does not answer for HANGING_RELAY until the test ends (at most 30 s, then fails as a
+    resolver that gave up); `finished` is set when it returns. Patched in `socket`, where
+    socket.create_connection looks it up too. Other names resolve as usual."""
+    release, finished = threading.Event(), threading.Event()
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host != HANGING_RELAY:
+            return real(host, *args, **kwargs)
+        try:
+            release.wait(30)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield finished
+    release.set()  # frees the lookup thread the call stopped waiting for
+
+
+def test_send_email_stops_waiting_for_a_relay_lookup_at_the_deadline(relay_lookup_hangs):
+    # getaddrinfo takes no timeout: looked up on the calling thread, the call lasted as long as the
+    # resolver and ended TOOL_ERROR. Bounded, it ends TIMEOUT while the lookup is still going on.
+    with pytest.raises(ToolError) as exc:
+        run(send_email_spec(HANGING_RELAY, 25, "a@b.test", timeout_ms=1000),
+            {"to": "c@d.test", "subject": "s", "body": "b"})
+    assert not relay_lookup_hangs.is_set()  # the call returned before the lookup did
+    assert exc.value.code == "TIMEOUT" and not exc.value.retryable
+    assert not exc.value.effect_unknown  # nothing was sent: a plain failure
+
+
+def test_send_email_reaches_a_relay_by_host_name(tmp_path, relay_lookup_hangs):
+    # The bounded lookup still resolves ordinary names (here localhost, through the patched getaddrinfo).
+    record = tmp_path / "mail.jsonl"
+    with start_smtp_sink(str(record)) as smtp:
+        out = run(send_email_spec("localhost", smtp.port, "agent@tether.test"),
+                  {"to": "ops@example.test", "subject": "Hi", "body": "Body text"})
+    assert out["sent"]
+    assert len(read_records(record)) == 1
+
+
 class DrippingSmtpServer:
     """A loopback SMTP server that never finishes its greeting: a `220-` continuation line every 0.2 s
     for 30 s. Each read of the client gets a line well within any per-operation timeout."""

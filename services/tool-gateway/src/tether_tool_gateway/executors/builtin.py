@@ -23,7 +23,7 @@ import httpx
 from tether_security import SecretNotFound, SecretTooShort
 from tether_tool_gateway.builtin_tools import HTTP_GET, KV_GET, KV_PUT, SEND_EMAIL
 from tether_tool_gateway.domain.errors import EgressDenied, InvalidToolResult, ToolError
-from tether_tool_gateway.executors.http_deadline import call_deadline, deadline_transport
+from tether_tool_gateway.executors.http_deadline import call_deadline, deadline_transport, lookup_addresses
 from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
 
 MAX_REDIRECTS = 5
@@ -294,12 +294,30 @@ class _DeadlineSMTP(smtplib.SMTP):
 
     def _get_socket(self, host: str, port: int, timeout: float | None) -> socket.socket:
         # smtplib's own hook (SMTP_SSL and LMTP override it too): the socket, before the greeting is read.
-        sock = super()._get_socket(host, port, timeout)
+        sock = self._connect(host, port, timeout)
         with self._lock:
             self._live = sock
             if self._expired:  # the lookup or the connect outlasted the deadline
                 _shut(sock)
         return sock
+
+    def _connect(self, host: str, port: int, timeout: float | None) -> socket.socket:
+        """What smtplib's socket.create_connection does, with the relay's name lookup bounded by the
+        deadline (getaddrinfo takes no timeout: a DNS server that does not answer would hold the
+        execution thread as long as the system resolver waits) and each address given the time left."""
+        error: OSError = OSError(f"{host!r} has no address")
+        for address in lookup_addresses(host, port, self._left(timeout)):
+            try:
+                return socket.create_connection((address, port), self._left(timeout), self.source_address)
+            except OSError as exc:  # TimeoutError included: the next address gets what is left
+                error = exc
+        raise error
+
+    def _left(self, timeout: float | None) -> float:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the tool call's deadline passed")
+        return left if timeout is None else min(timeout, left)
 
     def _expire(self) -> None:
         with self._lock:

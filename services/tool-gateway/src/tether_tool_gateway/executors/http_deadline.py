@@ -158,22 +158,36 @@ def _addresses(host: str, port: int, timeout: float | None) -> list[str]:
     """The addresses of `host` as socket.getaddrinfo gives them, in its order, looked up on `_LOOKUPS`
     within min(`timeout`, time left until the deadline): ConnectTimeout past it, ConnectError when
     the name does not resolve. An IP literal is its own address (no lookup, no thread)."""
+    wait = _bounded(timeout, httpcore.ConnectTimeout)
+    try:
+        return lookup_addresses(host, port, wait)
+    except TimeoutError as exc:
+        raise httpcore.ConnectTimeout(str(exc)) from None
+    except OSError as exc:  # socket.gaierror: no such name, no answer
+        raise httpcore.ConnectError(str(exc)) from exc
+
+
+def lookup_addresses(host: str, port: int, wait: float | None) -> list[str]:
+    """The addresses of `host` (socket.getaddrinfo, in its order), looked up on `_LOOKUPS` and waited
+    for at most `wait` seconds: TimeoutError past it (the lookup is left to finish on its thread),
+    OSError when the name does not resolve. For any client whose own connect would look the name up
+    unbounded (socket.create_connection: smtplib, httpcore). An IP literal is its own address (no
+    lookup, no thread)."""
     try:
         ipaddress.ip_address(host)
     except ValueError:
         pass
     else:
         return [host]
-    wait = _bounded(timeout, httpcore.ConnectTimeout)
     # socket.getaddrinfo is looked up when called, as socket.create_connection does.
     lookup = _LOOKUPS.submit(lambda: socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
     try:
         found = lookup.result(timeout=wait)
     except TimeoutError:
         lookup.cancel()
-        raise httpcore.ConnectTimeout(f"looking up {host!r} did not finish in time") from None
+        raise TimeoutError(f"looking up {host!r} did not finish in time") from None
     except OSError as exc:  # socket.gaierror: no such name, no answer
-        raise httpcore.ConnectError(f"looking up {host!r} failed: {exc}") from exc
+        raise OSError(f"looking up {host!r} failed: {exc}") from exc
     return [sockaddr[0] for *_, sockaddr in found]
 
 
