@@ -77,9 +77,11 @@ class Sender:
         self.producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
         self.partition = partition_for(TENANT, RUN, PARTITIONS)
 
-    def send(self, topic: str, payload: AvroRecord, *what: object, producer: str) -> None:
+    def send(self, topic: str, payload: AvroRecord, *what: object, producer: str,
+             recorded_at_ms: int | None = None) -> None:
         env = make_envelope(payload, run_id=RUN, tenant_id=TENANT, event_id=derived_id(RUN, *what),
-                            producer=producer, recorded_at_ms=int(time.time() * 1000))
+                            producer=producer,
+                            recorded_at_ms=int(time.time() * 1000) if recorded_at_ms is None else recorded_at_ms)
         self.producer.produce(topic, encode(env), RUN.encode(), partition=self.partition, headers=headers_for(env))
         if self.producer.flush(30):
             raise RuntimeError("record not delivered")
@@ -128,6 +130,70 @@ def metric(port: int, name: str, labels: str) -> float:
             if line.startswith(f"{name}{{{labels}}} "):
                 return float(line.split()[-1])
     return 0.0
+
+
+def accepted_run() -> RunAccepted:
+    caps = Caps(max_steps=5, max_wall_clock_ms=600_000, max_tokens=10_000, max_cost_usd_micros=10_000)
+    tools = [ToolSpec(name="send_email", version=1, description="s", args_schema_json="{}",
+                      risk_class=RiskClass.IRREVERSIBLE, idempotent=False, untrusted_source=False,
+                      executor_kind="builtin")]
+    return RunAccepted(
+        principal_id="alice", request_id="q1", goal="g", tools=tools, caps=caps, deadline_ms=0,
+        agent=AgentSpec(agent_id="a", version=1, name="a", instructions="i",
+                        model=ModelRef(provider="openai", name="m"), tool_allowlist=["send_email"], caps=caps),
+    )
+
+
+@pytest.mark.integration
+def test_a_decision_read_after_its_approval_expired_is_refused_visibly_on_the_real_broker(
+    kafka_bootstrap: str, service_processes
+) -> None:
+    # run-api took bob's APPROVE in time (its recorded_at_ms is before expires_at) but this service read
+    # it only after the expiry and its grace had decided EXPIRED (down or behind longer than the grace).
+    # EXPIRED stays the approval's only decision; bob's is refused DECISION_AFTER_EXPIRY, logged and
+    # counted, not folded into the duplicates (APPROVAL_NOT_PENDING) as if nothing had been lost.
+    prefix = f"test-approval-late-{uuid.uuid4().hex[:10]}."
+    topics = Topics(prefix)
+    declare_topics(kafka_bootstrap, PARTITIONS, ["approval"], prefix=prefix)
+    port = free_port()
+    env = {
+        "TETHER_KAFKA_BOOTSTRAP": kafka_bootstrap,
+        "TETHER_TOPIC_PREFIX": prefix,
+        "TETHER_PARTITIONS": str(PARTITIONS),
+        "TETHER_APPROVAL_METRICS_PORT": str(port),
+        "TETHER_APPROVAL_BATCH_MAX_MS": "20",
+        "TETHER_APPROVAL_EXPIRY_GRACE_MS": "500",
+    }
+    intake = Intake(kafka_bootstrap, topics.run_intake)
+    try:
+        service = service_processes.start("tether_approval", health_port=port, env=env, health_path="/readyz",
+                                          timeout=90)
+        send = Sender(kafka_bootstrap)
+        send.send(topics.run_events, accepted_run(), "RunAccepted", producer="budget")
+        asked = request("apr_1", "1.0", 1_000)
+        send.send(topics.run_events, asked, "ApprovalRequested", 1, producer="budget")
+        [expired] = intake.wait_for(1, service)
+        assert (expired.approval_id, expired.outcome) == ("apr_1", ApprovalOutcome.EXPIRED)
+
+        send.send(topics.commands, decision("apr_1", "1.0", "bob", ["approver"]), "Decide", 1, producer="run-api",
+                  recorded_at_ms=asked.expires_at_ms - 200)
+        send.send(topics.commands, decision("apr_1", "1.0", "carol", ["approver"]), "Decide", 2, producer="run-api")
+        deadline = time.monotonic() + 60
+        while metric(port, "tether_approval_refusals_total", 'reason="APPROVAL_NOT_PENDING"') < 1:
+            if time.monotonic() > deadline:
+                pytest.fail("carol's decision was not read; service log:\n" + service.log_text()[-3000:])
+            time.sleep(0.2)
+        assert metric(port, "tether_approval_refusals_total", 'reason="DECISION_AFTER_EXPIRY"') == 1
+        assert metric(port, "tether_approval_decisions_after_expiry_total", 'decision="approve"') == 1
+        assert metric(port, "tether_approval_refusals_total", 'reason="APPROVAL_NOT_PENDING"') == 1  # carol, late
+        refused = [json.loads(line) for line in service.log_text().splitlines()
+                   if '"decision_refused"' in line and '"DECISION_AFTER_EXPIRY"' in line]
+        assert [(r["approval_id"], r["approver_id"], r["approve"], r["recorded_at_ms"], r["expires_at_ms"])
+                for r in refused] == [("apr_1", "bob", True, asked.expires_at_ms - 200, asked.expires_at_ms)]
+        intake.poll_for(2)
+        assert [event_id for event_id, _ in intake.records] == [decided_event_id(RUN, "apr_1")]  # EXPIRED stands
+    finally:
+        intake.consumer.close()
 
 
 @pytest.mark.integration

@@ -95,8 +95,10 @@ def test_expire_due_marks_and_decides_once():
     [expired] = expire_due(state, 1_501, policy)
     assert (expired.outcome, expired.approver_id, expired.decided_at_ms) == (ApprovalOutcome.EXPIRED, "system", 1_501)
     assert expire_due(state, 2_000, policy) == []
-    with pytest.raises(errors.ApprovalNotPending):
+    with pytest.raises(errors.DecisionAfterExpiry):  # recorded in time (500), read after the expiry: EXPIRED stands
         decide(command(), state)
+    with pytest.raises(errors.ApprovalNotPending):  # recorded after the expiry
+        decide(command(), state, at=1_001)
 
 
 def test_first_decision_wins_but_the_log_beats_a_withdrawal():

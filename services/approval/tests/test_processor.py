@@ -88,6 +88,37 @@ def test_a_decision_made_in_time_but_read_after_the_expiry_is_applied(h):
     assert h.decisions("EXPIRED") == 0 and h.refusals("APPROVAL_NOT_PENDING") == 0
 
 
+def test_a_decision_made_in_time_but_read_after_the_grace_is_refused_as_such_and_expired_stands(h):
+    # Past the grace (this service down longer than it) the expiry has decided: EXPIRED stays the
+    # approval's one decision, but the human's decision run-api took in time is refused with its own
+    # reason and counted by what it decided, not lost among duplicates (APPROVAL_NOT_PENDING).
+    h.requested(expires_in_ms=60_000)
+    expires_at = h.T0 + 60_000
+    h.driver.now_ms = expires_at + ApprovalPolicy().expiry_grace_ms + 1
+    assert only_decision(h.driver.tick()).outcome is ApprovalOutcome.EXPIRED
+    assert h.decide(recorded_at_ms=expires_at - 100) == []
+    assert h.decide(approver="carol", approve=False, recorded_at_ms=expires_at) == []  # exactly at expiry: in time
+    late = h.registry.get_sample_value
+    assert (late("tether_approval_decisions_after_expiry_total", {"decision": "approve"}),
+            late("tether_approval_decisions_after_expiry_total", {"decision": "reject"})) == (1, 1)
+    assert (h.refusals("DECISION_AFTER_EXPIRY"), h.refusals("APPROVAL_NOT_PENDING")) == (2, 0)
+    # Recorded after the expiry, or one that would have been refused anyway: refused as before.
+    assert h.decide(approver="dave") == []
+    assert h.decide(approver="erin", roles=("viewer",), recorded_at_ms=expires_at - 1) == []
+    assert h.decide(approver="frank", args_hash="0" * 64, recorded_at_ms=expires_at - 1) == []
+    assert [h.refusals(r) for r in ("APPROVAL_NOT_PENDING", "NOT_AN_APPROVER", "STALE_ARGS_HASH")] == [1, 1, 1]
+    assert h.refusals("DECISION_AFTER_EXPIRY") == 2
+    assert h.state().approvals["apr_1"].outcome is ApprovalOutcome.EXPIRED
+    assert h.driver.tick() == []
+
+
+def test_a_duplicate_of_a_human_decision_is_not_pending_whenever_it_was_recorded(h):
+    h.requested(expires_in_ms=60_000)
+    only_decision(h.decide())
+    assert h.decide(approver="carol", recorded_at_ms=h.T0 + 1) == []
+    assert (h.refusals("APPROVAL_NOT_PENDING"), h.refusals("DECISION_AFTER_EXPIRY")) == (1, 0)
+
+
 def test_the_expiry_grace_is_a_setting(make_harness):
     h = make_harness(ApprovalPolicy(expiry_grace_ms=0))
     h.requested(expires_in_ms=60_000)

@@ -2,7 +2,8 @@
 
 Each handler is a plain function (record first, dependencies as named parameters); the tables
 mapping record types to handlers are at the bottom. A refused decision emits nothing: it is
-logged (`decision_refused`, with reason and facts) and counted (`tether_approval_refusals_total`).
+logged (`decision_refused`, with reason and facts) and counted (`tether_approval_refusals_total`;
+one read after its approval expired also in `tether_approval_decisions_after_expiry_total`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tether_approval.domain.decisions import (
     track_call,
     validate_decision,
 )
-from tether_approval.domain.errors import ApprovalNotFound, DecisionRefused, WrongTenant
+from tether_approval.domain.errors import ApprovalNotFound, DecisionAfterExpiry, DecisionRefused, WrongTenant
 from tether_approval.domain.state import Notification, OpenCall, RunApprovals
 from tether_approval.metrics import ApprovalMetrics
 from tether_approval.notifier import ApprovalNotification, ApproverNotifier, Delivery
@@ -97,6 +98,8 @@ def _load_or_new(ctx: Context, run_id: str, tenant_id: str) -> RunApprovals:
 def _refused(refusal: DecisionRefused, command: DecideApproval, *, run_id: str, tenant_id: str,
              event_id: str, deps: Deps) -> None:
     deps.metrics.refusals.labels(refusal.reason).inc()
+    if isinstance(refusal, DecisionAfterExpiry):
+        deps.metrics.decisions_after_expiry.labels("approve" if command.approve else "reject").inc()
     fields = {
         "reason": refusal.reason,
         "detail": refusal.detail,

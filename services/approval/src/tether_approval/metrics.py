@@ -26,6 +26,14 @@ class ApprovalMetrics:
             ["reason"],
             registry=registry,
         )
+        self.decisions_after_expiry = Counter(
+            "tether_approval_decisions_after_expiry_total",
+            "Decisions recorded in time but read after their approval had expired (refused"
+            " DECISION_AFTER_EXPIRY; EXPIRED stands), by what the approver decided (approve, reject)."
+            " An approve is a call a human allowed that did not run: alert on it.",
+            ["decision"],
+            registry=registry,
+        )
         self.early_decisions = Counter(
             "tether_approval_early_decisions_total",
             "Decisions read before their ApprovalRequested and kept until it arrives.",

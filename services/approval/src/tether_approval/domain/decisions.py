@@ -13,6 +13,7 @@ from tether_approval.domain.errors import (
     ApprovalNotFound,
     ApprovalNotPending,
     CallMismatch,
+    DecisionAfterExpiry,
     EarlyDecisionExists,
     NotAnApprover,
     SelfApproval,
@@ -95,7 +96,10 @@ def validate_decision(
             f"tenant {tenant_id} may not decide approvals of another tenant's run",
             approval_id=approval.approval_id, tenant_id=tenant_id,
         )
-    if not approval.pending:
+    # Recorded in time, read after the expiry (and its grace) decided the approval: refused with its
+    # own reason once the other checks pass, so a human decision that was lost is told from a duplicate.
+    after_expiry = approval.outcome is ApprovalOutcome.EXPIRED and decided_at_ms <= approval.expires_at_ms
+    if not approval.pending and not after_expiry:
         raise ApprovalNotPending(
             f"approval {approval.approval_id} is already {approval.status}",
             approval_id=approval.approval_id, status=approval.status,
@@ -125,6 +129,12 @@ def validate_decision(
         raise StaleArgsHash(
             f"the decision is for args {command.args_hash[:12]}…, the call awaits {approval.args_hash[:12]}…",
             approval_id=approval.approval_id,
+        )
+    if after_expiry:
+        raise DecisionAfterExpiry(
+            f"decided at {decided_at_ms}, in time for the expiry at {approval.expires_at_ms}, but read after the"
+            " approval had expired (EXPIRED stands)",
+            approval_id=approval.approval_id, recorded_at_ms=decided_at_ms, expires_at_ms=approval.expires_at_ms,
         )
     if decided_at_ms > approval.expires_at_ms:
         raise ApprovalExpired(

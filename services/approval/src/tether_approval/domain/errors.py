@@ -44,6 +44,15 @@ class ApprovalNotPending(DecisionRefused):
     reason = "APPROVAL_NOT_PENDING"
 
 
+class DecisionAfterExpiry(DecisionRefused):
+    """A decision recorded in time (by `expires_at_ms`; run-api accepted it) but read here only after
+    the approval had expired (past the grace): EXPIRED is already the approval's decision on the log,
+    so this one is refused, not lost: it has its own reason and is counted, and an operator should
+    look (a lost approval is a call that did not run)."""
+
+    reason = "DECISION_AFTER_EXPIRY"
+
+
 class CallMismatch(DecisionRefused):
     """The decision names another tool call than the one the approval is for."""
 
