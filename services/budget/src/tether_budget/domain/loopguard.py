@@ -1,10 +1,11 @@
 """LoopGuard: tells an unproductive loop from hard work using per-step signatures (safety notes §C4).
 
 A step's signature is computed by the budget service from the log, never by the model:
-for each tool call `a` = tool name + canonical JSON arguments, `o` = hash of the normalised
-result (volatile timestamps, uuids, durations, ids stripped), `e` = error class (a denial is
-`denied:<reason>`); for a text-only turn `m` = hash of the assistant text. The rules run after
-every step; the first detection yields a one-time warning, any later detection terminates.
+for each tool call `a` = tool name + canonical JSON arguments (never normalised: a new page
+number or quantity is a new call), `o` = hash of the normalised result (timestamps, uuids, ids,
+measured durations, epochs named as times replaced: docs/loop-detection.md), `e` = error class
+(a denial is `denied:<reason>`); for a text-only turn `m` = hash of the assistant text. The rules
+run after every step; the first detection yields a one-time warning, any later detection terminates.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -20,8 +22,84 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 EXCERPT_CHARS = 200
 
-# Volatile substrings that change between otherwise identical observations.
-_VOLATILE_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+# A number shaped like a Unix time from 2001 to 2033 (seconds, milli-, micro- or nanoseconds).
+_EPOCH = re.compile(r"\b(1\d{9}(?:\d{3}|\d{6}|\d{9})?)(\.\d+)?\b")
+_DURATION = re.compile(r"\b\d+(\.\d+)?\s?(ns|us|µs|ms|s|sec|secs|second|seconds|min|mins|minute|minutes)\b", re.I)
+# The word (and the one before it) just before a number, and how it is attached: `key=`, `"key":`,
+# `key: ` or a space. Searched in a bounded window, so a long token costs no backtracking.
+_CONTEXT_CHARS = 48
+_CONTEXT = re.compile(r"(?:([A-Za-z][\w.-]*)\s+)?([A-Za-z][\w.-]*)(\"?\s*[=:]\s*\"?|\s+)$")
+# Names (or a name's last snake_case part: created_at, lastModified) that say a point in time.
+_TIME_NAMES = frozenset(
+    {
+        "time", "timestamp", "ts", "t", "date", "datetime", "epoch", "unix", "now", "at",
+        "since", "until", "expires", "expiry", "exp", "iat", "nbf", "deadline",
+        "created", "updated", "modified", "started", "finished", "completed", "issued", "seen",
+    }
+)  # fmt: skip
+# Words after which a duration is a measurement, not an instruction: `took 3 s`, `uptime 5 min`;
+# and verbs that make `in`/`after` a measurement: `finished in 41 s` (but `retry in 5 min`).
+_MEASURED = frozenset({"uptime", "spent", "waited"})
+_DONE = frozenset(
+    {"finished", "completed", "done", "ran", "executed", "returned", "responded", "succeeded", "passed", "failed"}
+)
+_SUBSECOND_UNITS = frozenset({"ns", "us", "µs", "ms"})
+_SECOND_UNITS = frozenset({"s", "sec", "secs", "second", "seconds"})
+
+
+def _context(m: re.Match[str]) -> tuple[str | None, str | None, bool]:
+    """The word before the matched number, the word before that, and whether it is a key (`=`/`:`)."""
+    window = m.string[max(0, m.start() - _CONTEXT_CHARS) : m.start()]
+    found = _CONTEXT.search(window)
+    if found is None:
+        return None, None, False
+    before, word, sep = found.groups()
+    return word, before, any(c in sep for c in "=:")
+
+
+def _time_name(word: str) -> bool:
+    name = _UNIT_SUFFIX.sub("", _key_name(word).strip("_"))
+    return name.rsplit("_", 1)[-1] in _TIME_NAMES
+
+
+def _epoch(m: re.Match[str]) -> str:
+    """A Unix time is volatile when it looks like a clock reading, not merely like ten digits: a
+    fraction (1717171717.25), or a name saying time before it (`"expires_at": 1717171717`,
+    `since 1717171717`). After `at` (`call us at 1234567890`) only the milli/micro/nanosecond
+    widths count: a phone number never has 13, 16 or 19 digits starting with 1."""
+    digits, fraction = m.groups()
+    if fraction:
+        return "<epoch>"
+    word, _, keyed = _context(m)
+    if word is None or not _time_name(word):
+        return m.group()
+    if not keyed and word.lower() == "at" and len(digits) == 10:
+        return m.group()
+    return "<epoch>"
+
+
+def _duration(m: re.Match[str]) -> str:
+    """A duration is volatile when it was measured: a sub-second unit (`35ms`), seconds with a
+    fraction (`3.2s`), or after a word saying it was measured (`took 3 s`, `elapsed: 2 min`,
+    `finished in 41 s`). A whole number of seconds or minutes otherwise is a value the call means
+    (`retry in 5 min`, `cached for 30 s`) and stays."""
+    fraction, unit = m.groups()
+    unit = unit.lower()
+    if unit in _SUBSECOND_UNITS or (fraction and unit in _SECOND_UNITS):
+        return "<duration>"
+    word, before, _ = _context(m)
+    if word is None:
+        return m.group()
+    if _volatile_key(word) or _key_name(word) in _MEASURED:
+        return "<duration>"
+    if word.lower() in ("in", "after") and before is not None and before.lower() in _DONE:
+        return "<duration>"
+    return m.group()
+
+
+# Volatile substrings that change between otherwise identical observations, applied in order:
+# whole date-times first, so their digits are never read as bare numbers.
+_VOLATILE_PATTERNS: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]], ...] = (
     (re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", re.I), "<uuid>"),
     (
         re.compile(
@@ -30,17 +108,13 @@ _VOLATILE_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
         "<time>",
     ),
     (re.compile(r"\b\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?\b"), "<time>"),
-    # epoch seconds/millis/micros/nanos, 2001..2033
-    (re.compile(r"\b1\d{9}(?:\d{3}|\d{6}|\d{9})?(?:\.\d+)?\b"), "<epoch>"),
-    (
-        re.compile(
-            r"\b\d+(?:\.\d+)?\s?(?:ns|us|µs|ms|s|sec|secs|second|seconds|min|mins|minute|minutes)\b", re.I
-        ),
-        "<duration>",
-    ),
+    (_EPOCH, _epoch),
+    (_DURATION, _duration),
     # A process id is a number ("Process started" / "Process exited" are states, not ids).
     (re.compile(r"\b(?:pid|process)[=: ]+\d+\b", re.I), "<id>"),
     (re.compile(r"\b(?:request[_ -]?id|trace[_ -]?id)[=: ]+\w+", re.I), "<id>"),
+    # A value named for being new on every call (as the keys below): a retry with a fresh nonce is a repeat.
+    (re.compile(r"\b(?:nonce|etag|span[_ -]?id)\s*[=:]\s*[\"']?[\w-]+", re.I), "<id>"),
     (re.compile(r"\b0x[0-9a-f]{6,}\b", re.I), "<addr>"),
 )
 
@@ -78,7 +152,9 @@ def _excerpt(text: str) -> str:
 
 
 def canonical_action(tool_name: str, args_json: str) -> str:
-    """`a`: the tool name with canonical JSON arguments (key order and whitespace do not matter)."""
+    """`a`: the tool name with canonical JSON arguments (key order and whitespace do not matter).
+    No value is normalised: arguments are the model's choice, so `{"page": 3}` after `{"page": 2}`
+    or `{"wait": "30 min"}` after `"5 min"` is another call (docs/loop-detection.md)."""
     try:
         args = json.dumps(json.loads(args_json), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except ValueError:
