@@ -207,6 +207,20 @@ def test_oversized_or_invalid_result_fails(make_harness, value, code):
     assert failed.error_code == code and not failed.retryable
 
 
+@pytest.mark.parametrize("value,code", [({"data": "x" * 20_000}, "OVERSIZED_RESULT"),
+                                        ({"n": float("nan")}, "INVALID_RESULT")])
+def test_a_non_idempotent_tools_unrecordable_result_completes_the_call(make_harness, value, code):
+    # The tool returned, so its effect took place: reported as a failure, the model would do it again.
+    gw = make_harness(limits=ResultLimits(inline_max_bytes=100, max_bytes=10_000))
+    gw.tools = [t.model_copy(update={"idempotent": False}) if t.name == "kv_get" else t for t in gw.tools]
+    gw.executor.behaviour = lambda r: value
+    gw.accept()
+    gw.budget(gw.request("kv_get", {"key": "a"}))
+    done = only(gw.driver.run_work(), ToolCallCompleted)
+    result = json.loads(done.result_json)
+    assert result["result_unrecorded"]["code"] == code and result["result_unrecorded"]["detail"]
+
+
 def test_tool_error_and_unexpected_exception_fail_the_call(gw):
     def boom(r):
         if r.args["key"] == "a":

@@ -110,18 +110,25 @@ def http_get_call(port: int, timeout_ms: int, host: str = "127.0.0.1") -> tuple[
     return BuiltinExecutor(), request(tool, {"url": f"http://{host}:{port}/"})
 
 
-def http_tool_call(port: int, timeout_ms: int, host: str = "127.0.0.1") -> tuple[HttpToolExecutor, ExecutionRequest]:
+def http_tool_call(port: int, timeout_ms: int, host: str = "127.0.0.1",
+                   idempotent: bool = False) -> tuple[HttpToolExecutor, ExecutionRequest]:
     tool = ToolSpec(name="team_lookup", version=1, description="d", args_schema_json='{"type":"object"}',
-                    risk_class=RiskClass.READ_ONLY, idempotent=False, untrusted_source=False, executor_kind="http",
+                    risk_class=RiskClass.READ_ONLY, idempotent=idempotent, untrusted_source=False, executor_kind="http",
                     executor_config_json=json.dumps({"url": f"http://{host}:{port}/lookup"}),
                     timeout_ms=timeout_ms + 250)  # the executor gives up 0.25 s before the tool's timeout
     return HttpToolExecutor(), request(tool, {"q": "x"})
 
 
+def idempotent_http_tool_call(port: int, timeout_ms: int) -> tuple[HttpToolExecutor, ExecutionRequest]:
+    return http_tool_call(port, timeout_ms, idempotent=True)
+
+
 CALLS = pytest.mark.parametrize("call", [http_get_call, http_tool_call], ids=["http_get", "http_tool"])
+#: A body that comes too late after a 2xx fails only these: a non-idempotent HTTP tool completes (below).
+BODY_CALLS = pytest.mark.parametrize("call", [http_get_call, idempotent_http_tool_call], ids=["http_get", "http_tool"])
 
 
-@CALLS
+@BODY_CALLS
 def test_a_dripping_body_times_out_at_the_deadline(serve, call):
     executor, req = call(serve(DRIPPED_BODY).port, 500)
     error, elapsed = timed(executor, req)
@@ -138,7 +145,7 @@ def test_dripping_headers_time_out_at_the_deadline(serve, call):
     assert elapsed < 10  # near the 1 s deadline; the headers would have taken 30 s
 
 
-@CALLS
+@BODY_CALLS
 def test_a_read_started_just_before_the_deadline_ends_at_the_deadline(serve, call):
     # The body's first byte comes at 5.8 s, within the read timeout (the 6 s of the call); then nothing for 30 s.
     # A read timeout of its own would let the next read wait until 5.8 + 6 = 11.8 s; the deadline ends it at 6 s.
@@ -147,6 +154,14 @@ def test_a_read_started_just_before_the_deadline_ends_at_the_deadline(serve, cal
     error, elapsed = timed(executor, req)
     assert error.code == "TIMEOUT" and error.retryable and error.effect_unknown
     assert elapsed < 10.0
+
+
+def test_a_non_idempotent_tools_dripping_2xx_body_ends_at_the_deadline_as_a_completed_call(serve):
+    # The 200 says the effect took place: the call completes, its result saying the body did not arrive.
+    executor, req = http_tool_call(serve(DRIPPED_BODY).port, 500)
+    result = executor.execute(req, MappingSecretProvider())
+    assert result["status"] == 200 and result["body"] is None
+    assert result["body_unreadable"]["code"] == "TIMEOUT"
 
 
 @pytest.mark.parametrize(("spec", "args"), [(kv_get_spec, {"key": "k"}), (kv_put_spec, {"key": "k", "value": 1})],

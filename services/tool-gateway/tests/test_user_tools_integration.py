@@ -114,10 +114,18 @@ def test_a_slow_answer_is_a_timeout(env, http):
     assert isinstance(outcome, Failed) and outcome.error_code == "TIMEOUT" and outcome.retryable
 
 
-def test_garbage_is_an_invalid_result(env, http):
-    _, outcome = env.run(http_tool(f"{http.url}/garbage"), {"q": "x"})
-    assert isinstance(outcome, Failed) and outcome.error_code == "INVALID_RESULT"
+def test_garbage_is_an_invalid_result_for_an_idempotent_tool_and_a_completed_call_for_another(env, http):
+    _, outcome = env.run(http_tool(f"{http.url}/garbage", idempotent=True), {"q": "x"})
+    assert isinstance(outcome, Failed) and outcome.error_code == "INVALID_RESULT" and not outcome.retryable
     assert "not JSON" in outcome.detail
+    # A 2xx says the effect took place: a non-idempotent call completes, its result saying why the body
+    # is missing (a failure would invite the model to do it again).
+    _, outcome = env.run(http_tool(f"{http.url}/garbage"), {"q": "x"}, call_index=1)
+    assert isinstance(outcome, Completed), outcome
+    result = json.loads(outcome.result_json)
+    assert result["status"] == 200 and result["body"] is None
+    assert result["body_unreadable"]["code"] == "INVALID_RESULT" and "not JSON" in result["body_unreadable"]["detail"]
+    assert len(http.records()) == 2
 
 
 def test_a_500_is_a_tool_error_retried_only_for_an_idempotent_tool(env, http):
@@ -137,10 +145,15 @@ def test_a_4xx_is_not_retried(env, http):
     assert len(http.records()) == 1
 
 
-def test_fifty_megabytes_is_oversized(env, http):
-    _, outcome = env.run(http_tool(f"{http.url}/huge/{50 * 1024 * 1024}", max_response_bytes=1024 * 1024),
-                         {"q": "x"})
-    assert isinstance(outcome, Failed) and outcome.error_code == "OVERSIZED_RESULT"
+def test_fifty_megabytes_is_oversized_for_an_idempotent_tool_and_a_completed_call_for_another(env, http):
+    url = f"{http.url}/huge/{50 * 1024 * 1024}"
+    _, outcome = env.run(http_tool(url, idempotent=True, max_response_bytes=1024 * 1024), {"q": "x"})
+    assert isinstance(outcome, Failed) and outcome.error_code == "OVERSIZED_RESULT" and not outcome.retryable
+    _, outcome = env.run(http_tool(url, max_response_bytes=1024 * 1024), {"q": "x"}, call_index=1)
+    assert isinstance(outcome, Completed), outcome
+    result = json.loads(outcome.result_json)
+    assert result["status"] == 200 and result["body"] is None
+    assert result["body_unreadable"]["code"] == "OVERSIZED_RESULT"
 
 
 def test_a_redirect_off_the_allowlist_is_refused(env, http):

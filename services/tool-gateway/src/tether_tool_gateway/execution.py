@@ -411,19 +411,27 @@ class ToolRunner:
         try:
             text = canonical_json(value)
         except (TypeError, ValueError) as exc:
-            return Resolution(ResolutionStatus.FAILED, error_code="INVALID_RESULT",
-                              detail=_short(f"the tool's result is not JSON: {exc}"))
+            return self._unrecordable(tool, "INVALID_RESULT", _short(f"the tool's result is not JSON: {exc}"))
         # A lone surrogate (a JSON "\ud800" decodes to one) cannot be UTF-8 encoded, nor stored: in
         # canonical JSON it can only stand inside a string, so U+FFFD keeps the text JSON.
         text = redact_result(self._redactor, _LONE_SURROGATE.sub("\ufffd", text))
         data = text.encode("utf-8")
         placement = self._limits.place(len(data))
         if placement is Placement.OVERSIZED:
-            return Resolution(ResolutionStatus.FAILED, error_code="OVERSIZED_RESULT",
-                              detail=f"the result is {len(data)} bytes; the limit is {self._limits.max_bytes}")
+            return self._unrecordable(tool, "OVERSIZED_RESULT",
+                                      f"the result is {len(data)} bytes; the limit is {self._limits.max_bytes}")
         if placement is Placement.BLOB:
             ref = self.blobs.put(data, "application/json")
             return Resolution(ResolutionStatus.COMPLETED, result_ref=ref, untrusted=tool.untrusted_source)
+        return Resolution(ResolutionStatus.COMPLETED, result_json=text, untrusted=tool.untrusted_source)
+
+    def _unrecordable(self, tool: ToolSpec, code: str, detail: str) -> Resolution:
+        """A result the tool returned but the gateway cannot record. The tool did finish, so its effect
+        took place: a non-idempotent call completes with `{"result_unrecorded": {code, detail}}`
+        (reported as a failure it would invite the model to do it again); an idempotent one fails."""
+        if tool.idempotent:
+            return Resolution(ResolutionStatus.FAILED, error_code=code, detail=detail)
+        text = canonical_json({"result_unrecorded": {"code": code, "detail": detail}})
         return Resolution(ResolutionStatus.COMPLETED, result_json=text, untrusted=tool.untrusted_source)
 
     def _complete(self, claim: Execute, resolution: Resolution) -> Outcome:

@@ -81,6 +81,14 @@ def _read_capped(response: httpx.Response, cap: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
+def body_unreadable(status: int, code: str, detail: str) -> dict[str, Any]:
+    """The result of a non-idempotent call answered 2xx whose body could not be used (too large, not
+    JSON, cut or late): the service says the effect took place, so the call completed; reported as a
+    failure it would invite the model to do it again. `code` is the failure code an idempotent tool
+    gets for the same body (OVERSIZED_RESULT, INVALID_RESULT, TIMEOUT, TOOL_ERROR)."""
+    return {"status": status, "body": None, "body_unreadable": {"code": code, "detail": detail}}
+
+
 def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, ToolError) and exc.retryable
 
@@ -89,7 +97,8 @@ class HttpToolExecutor:
     """POSTs a call's validated arguments to the tool's own service and records its JSON answer.
 
     Non-2xx, timeouts, oversized and non-JSON answers are `ToolError`s (TOOL_ERROR, TIMEOUT,
-    OVERSIZED_RESULT, INVALID_RESULT). Idempotent tools are retried with exponential backoff on
+    OVERSIZED_RESULT, INVALID_RESULT), except that a non-idempotent tool answered 2xx completes
+    whatever its body (`body_unreadable`): the effect took place. Idempotent tools are retried with exponential backoff on
     5xx/429, timeouts and connection errors, within the tool's timeout; others are tried once.
     """
 
@@ -114,7 +123,8 @@ class HttpToolExecutor:
             if left <= 0:
                 raise ToolError("TIMEOUT", f"no time left within the tool's {request.tool.timeout_ms} ms")
             timeout = min(left, attempt_cap / 1000) if attempt_cap else left
-            return self._post(url, body, headers, cap, timeout, allow, time.monotonic() + timeout)
+            return self._post(url, body, headers, cap, timeout, allow, time.monotonic() + timeout,
+                              request.tool.idempotent)
 
         retrying = Retrying(
             stop=stop_after_attempt(max(1, attempts)) | stop_after_delay(max(0.0, request.timeout_s - 1)),
@@ -126,7 +136,7 @@ class HttpToolExecutor:
         return retrying(attempt)
 
     def _post(self, url: httpx.URL, body: bytes, headers: dict[str, str], cap: int, timeout: float,
-              allow: set[str], deadline: float) -> Any:
+              allow: set[str], deadline: float, idempotent: bool) -> Any:
         try:
             with call_deadline(deadline), httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=False,
                                                        trust_env=False, transport=deadline_transport(_tls())) as client:
@@ -139,8 +149,14 @@ class HttpToolExecutor:
                                else "redirects are not followed")
                         raise ToolError("TOOL_ERROR", f"the tool service redirected to {location!r}: refused "
                                                       f"({why})", retryable=False)
-                    data = _read_capped(response, cap, deadline)
                     status = response.status_code
+                    try:
+                        data = _read_capped(response, cap, deadline)
+                    except (ToolError, httpx.HTTPError) as exc:
+                        if idempotent or not 200 <= status < 300:
+                            raise
+                        error = exc if isinstance(exc, ToolError) else http_transport_error(exc)
+                        return body_unreadable(status, error.code, error.detail)
         except httpx.TimeoutException as exc:
             raise http_transport_error(exc, f"the tool service did not answer in time ({type(exc).__name__})") from exc
         except httpx.HTTPError as exc:
@@ -154,6 +170,8 @@ class HttpToolExecutor:
         try:
             parsed = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            if not idempotent:
+                return body_unreadable(status, "INVALID_RESULT", f"the body is not JSON: {head_of(data, 2048)!r}")
             raise InvalidToolResult(f"the tool service answered HTTP {status} with a body that is not JSON: "
                                     f"{head_of(data)!r}") from exc
         return {"status": status, "body": parsed}
