@@ -161,6 +161,10 @@ def update_agent(
         raise InvalidArgument(violations)
     body = {"op": "UpdateAgent", "draft": repr(draft), "mask": update_mask, "expected": expected_version}
     idem = _idem(request_id, body)
+    # A retry of a stored request gets its first answer (or REQUEST_ID_REUSED) before the
+    # precondition is checked: the version it was based on is no longer the latest, by its own doing.
+    if idem is not None and (done := catalog.replayed_agent(principal.tenant_id, "UpdateAgent", idem)) is not None:
+        return done
     latest = catalog.get_agent(principal.tenant_id, draft.agent_id)
     if latest is None:
         raise AgentNotFound(draft.agent_id)

@@ -47,6 +47,12 @@ class Catalog(Protocol):
         """Store spec.version, which must be latest + 1 (else AgentVersionConflict); idem as above."""
         ...
 
+    def replayed_agent(self, tenant_id: str, op: str, idem: Idempotency) -> AgentVersion | None:
+        """The agent version a request (op "CreateAgent" or "UpdateAgent") with this request_id already
+        stored, None if there was none; raises RequestIdReused if it came with another request. Looked up
+        before any precondition, so a retry whose first answer was lost gets that answer."""
+        ...
+
     def get_agent(self, tenant_id: str, agent_id: str, version: int | None = None) -> AgentVersion | None:
         """One version (the latest when version is None)."""
         ...

@@ -80,6 +80,10 @@ class FakeCatalog:
         self._remember(tenant_id, "UpdateAgent", idem, spec.agent_id, spec.version)
         return v
 
+    def replayed_agent(self, tenant_id: str, op: str, idem: Idempotency) -> AgentVersion | None:
+        done = self._replay(tenant_id, op, idem)
+        return None if done is None else self.get_agent(tenant_id, *done)
+
     def get_agent(self, tenant_id: str, agent_id: str, version: int | None = None) -> AgentVersion | None:
         versions = self.agents.get((tenant_id, agent_id), [])
         if version is None:

@@ -443,6 +443,12 @@ class PostgresStore:
         return self._write_agent("UpdateAgent", tenant_id, spec, created_by, now_ms, idem)
 
     @unavailable_as_error
+    def replayed_agent(self, tenant_id: str, op: str, idem: Idempotency) -> AgentVersion | None:
+        with self._pool.connection() as conn:
+            done = self._replay(conn, tenant_id, op, idem)
+        return None if done is None else self._get_agent_or_fail(tenant_id, *done)
+
+    @unavailable_as_error
     def get_agent(self, tenant_id: str, agent_id: str, version: int | None = None) -> AgentVersion | None:
         if version is None:
             row = self._one(
