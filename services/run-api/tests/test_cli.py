@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -17,7 +19,7 @@ from tether_run_api import handlers
 from tether_run_api.api.server import start_server
 from tether_run_api.api.servicers import Services
 from tether_run_api.cli import main as cli
-from tether_run_api.cli.client import CliError
+from tether_run_api.cli.client import CliError, connect
 from tether_run_api.domain.admission import SubmitRateLimiter
 from tether_run_api.domain.auth import (
     ROLE_ADMIN,
@@ -37,6 +39,7 @@ from tether_run_api.testing import (
     FakePublisher,
     FakeReadModel,
 )
+from tether_testing.processes import free_port
 
 KEY = "tk_cli_" + "k" * 30
 ME = Principal("acme", "alice", frozenset({ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER}))
@@ -200,6 +203,73 @@ def test_follow_reconnects_from_the_next_seq_and_shows_each_event_once() -> None
     assert seen == [1, 2, 3, 4, 5, 6] and last.seq == 6
     assert client.runs.requests == [1, 3, 5]
 
+
+
+def test_watch_goes_on_past_a_hole_in_the_read_model_and_says_so(env: Services) -> None:
+    # seq 2 was never stored (the projector dead-lettered it and moved past it): run-api ends every
+    # stream at it with STREAM_RESUME_REQUIRED, at once and on every resume, and asks a client that must
+    # go on to resume past it. The CLI asked again at 2 until it gave up (20 reconnects, ~85 s) and
+    # failed; it now retries 2 for HOLE_WAIT_S, then shows it as missing and follows the run to its end.
+    run_id = invoke("run", "x").stdout.strip()
+    env.read_model.add_events("acme", [
+        EventView(run_id, 1, "e1", "tether.v1.RunAccepted", 1000, "{}"),
+        EventView(run_id, 3, "e3", "tether.v1.StepGranted", 1100, "{}"),
+        EventView(run_id, 4, "e4", "tether.v1.RunCompleted", 1500, json.dumps({"step": 1, "answer": "42"})),
+    ])
+    env.read_model.runs[("acme", run_id)] = RunView(run_id, RunStatus.COMPLETED, agent_id="demo", agent_version=1,
+                                                     goal="g", answer="42", last_seq=4)
+    result = invoke("--json", "watch", run_id)
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"seq"')]
+    assert [(line["seq"], line.get("missing", False)) for line in lines] == [(1, False), (2, True), (3, False),
+                                                                            (4, False)]
+    assert lines[1]["reason"] == "STREAM_RESUME_REQUIRED"
+    assert "seq 2 is missing from the read model" in result.output and f"tether audit verify --run {run_id}" in result.output
+
+
+class _Clock:
+    """A clock that a sleep moves on, so bounded waits pass without waiting."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 0.0, []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_follow_asks_again_for_a_missing_seq_with_backoff_then_goes_past_it(env: Services) -> None:
+    run_id = invoke("run", "x").stdout.strip()
+    env.read_model.add_events("acme", [EventView(run_id, 1, "e1", "tether.v1.RunAccepted", 1000, "{}"),
+                                       EventView(run_id, 3, "e3", "tether.v1.RunCompleted", 1500, "{}")])
+    env.read_model.runs[("acme", run_id)] = RunView(run_id, RunStatus.COMPLETED, last_seq=3)
+    client, clock = connect(os.environ["TETHER_ADDR"], KEY), _Clock()
+    seen, missing = [], []
+    try:
+        for on_missing in (lambda seq, err: missing.append((seq, cli.reason(err))), None):
+            seen.clear()
+            with pytest.raises(CliError) if on_missing is None else nullcontext() as refused:
+                cli.follow(client, run_id, 1, on_event=lambda e: seen.append(e.seq), on_missing=on_missing,
+                           hole_wait_s=10.0, sleep=clock.sleep, monotonic=lambda: clock.now)
+        assert missing == [(2, "STREAM_RESUME_REQUIRED")]
+        assert seen == [1]  # without on_missing: a clear error at the hole instead
+        assert "--from-seq 3" in str(refused.value) and "STREAM_RESUME_REQUIRED" in str(refused.value)
+        # Asked again with growing delays (the server's RetryInfo 0.5 s at least), for 10 s in all, each time.
+        assert clock.slept[:4] == [0.5, 1.0, 2.0, 4.0] and sum(clock.slept) == 20.0
+    finally:
+        client.close()
+
+
+def test_follow_gives_up_after_the_reconnect_window_with_a_clear_error() -> None:
+    client, clock = connect(f"127.0.0.1:{free_port()}", KEY), _Clock()  # nothing listens there
+    try:
+        with pytest.raises(CliError) as err:
+            cli.follow(client, "R", 7, on_event=lambda e: None, reconnect_window_s=30.0, sleep=clock.sleep,
+                       monotonic=lambda: clock.now)
+    finally:
+        client.close()
+    assert "UNAVAILABLE" in str(err.value) and "tether watch R --from-seq 7" in str(err.value)
+    assert clock.now == 30.0 and max(clock.slept) == 5.0  # backoff capped, the window bounded
 
 
 class _KeysStore:

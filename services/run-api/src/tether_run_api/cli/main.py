@@ -18,6 +18,7 @@ import grpc
 import typer
 from google.protobuf import field_mask_pb2
 from google.protobuf.json_format import ParseDict, ParseError
+from google.rpc import error_details_pb2
 
 from tether_api.v1 import (
     agent_service_pb2 as agents_pb,
@@ -26,6 +27,7 @@ from tether_api.v1 import (
     tool_service_pb2 as tools_pb,
     types_pb2 as types_pb,
 )
+from tether_run_api.api.status import error_info
 from tether_run_api.cli import render
 from tether_run_api.cli.audit import audit_app
 from tether_run_api.cli.client import Client, CliError, CliSettings, connect, describe, reason
@@ -149,8 +151,9 @@ def watch_cmd(
 
 
 def _watch_and_report(client: Client, run_id: str, from_seq: int) -> None:
+    _STATE["run_id"] = run_id
     try:
-        last = follow(client, run_id, from_seq, on_event=_print_event)
+        last = follow(client, run_id, from_seq, on_event=_print_event, on_missing=_print_missing)
     except KeyboardInterrupt:
         render.err_console.print(f"\nstopped watching; the run goes on. Resume: tether watch {run_id} "
                                  f"--from-seq {_STATE.get('next_seq', from_seq)}")
@@ -177,12 +180,30 @@ def _print_event(event: runs_pb.RunEvent) -> None:
                                  f"tether approvals approve {approval_id}", markup=False)
 
 
-def follow(client: Client, run_id: str, from_seq: int, *, on_event, max_reconnects: int = 20,
-           sleep=time.sleep) -> runs_pb.RunEvent | None:
+#: How long `follow` keeps reconnecting without receiving an event before it gives up.
+RECONNECT_WINDOW_S = 60.0
+#: How long `follow` asks again for a seq the server keeps answering STREAM_RESUME_REQUIRED at before
+#: it takes it for a hole in the read model and goes on past it. run-api ends a stream at such a hole
+#: at once and on every resume (an event the projector never stored; nothing will fill it), and
+#: after STREAM_GAP_WAIT_S for a seq seen live but not yet stored (that one a resume can get).
+HOLE_WAIT_S = 2.0
+_MAX_BACKOFF_S = 5.0
+
+
+def follow(client: Client, run_id: str, from_seq: int, *, on_event, on_missing=None,
+           reconnect_window_s: float = RECONNECT_WINDOW_S, hole_wait_s: float = HOLE_WAIT_S,
+           sleep=time.sleep, monotonic=time.monotonic) -> runs_pb.RunEvent | None:
     """Stream events from from_seq until the terminal one, reconnecting from the next seq on a
-    dropped stream, so each event is handed to on_event exactly once. Returns the terminal event."""
+    dropped stream, so each event is handed to on_event exactly once. Returns the terminal event.
+
+    A seq the server answers STREAM_RESUME_REQUIRED at for `hole_wait_s` (asked again with backoff)
+    is a hole in the read model: it is handed to `on_missing(seq, err)` and the stream goes on from
+    the next seq, as run-api asks; without `on_missing` it is a CliError. Reconnecting stops with a
+    CliError when `reconnect_window_s` passes without an event."""
     next_seq = from_seq
     failures = 0
+    stalled_since: float | None = None  # first failure since the last event (or the hole skipped)
+    refused_seq, refused_since = -1, 0.0  # the seq STREAM_RESUME_REQUIRED names, since when
     while True:
         try:
             stream = client.runs.StreamRunEvents(
@@ -195,17 +216,59 @@ def follow(client: Client, run_id: str, from_seq: int, *, on_event, max_reconnec
                 on_event(event)
                 next_seq = event.seq + 1
                 _STATE["next_seq"] = next_seq
-                failures = 0
+                failures, stalled_since = 0, None
                 if event.terminal:
                     return event
             return None  # the server ended the stream without a terminal event
         except grpc.RpcError as err:
-            resumable = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                       grpc.StatusCode.INTERNAL) or reason(err) == "STREAM_RESUME_REQUIRED"
-            failures += 1
-            if not resumable or failures > max_reconnects:
+            now = monotonic()
+            resume_required = reason(err) == "STREAM_RESUME_REQUIRED"
+            if not resume_required and err.code() not in (
+                grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL
+            ):
                 raise CliError(describe(err)) from None
-            sleep(min(5.0, 0.2 * 2 ** min(failures, 5)))
+            if resume_required:
+                # The server names the seq it could not send; it is ours (it counts what it sent us).
+                if refused_seq != next_seq:
+                    refused_seq, refused_since = next_seq, now
+                elif now - refused_since >= hole_wait_s:
+                    if on_missing is None:
+                        raise CliError(f"{describe(err)}\n  seq {next_seq} of run {run_id} is missing from the read "
+                                       f"model; resume past it: tether watch {run_id} --from-seq {next_seq + 1}; "
+                                       f"investigate: tether audit verify --run {run_id}") from None
+                    on_missing(next_seq, err)
+                    next_seq += 1
+                    _STATE["next_seq"] = next_seq
+                    failures, stalled_since = 0, None
+                    continue
+            stalled_since = now if stalled_since is None else stalled_since
+            if now - stalled_since >= reconnect_window_s:
+                raise CliError(f"{describe(err)}\n  no event for {now - stalled_since:.0f} s of reconnecting; "
+                               f"resume: tether watch {run_id} --from-seq {next_seq}") from None
+            failures += 1
+            delay = max(_retry_after_s(err), min(_MAX_BACKOFF_S, 0.25 * 2 ** min(failures, 5)))
+            # Never sleep past the moment the next decision (skip the hole, give up) is due.
+            due = refused_since + hole_wait_s if resume_required else stalled_since + reconnect_window_s
+            sleep(max(0.0, min(delay, due - now)))
+
+
+def _retry_after_s(err: grpc.RpcError) -> float:
+    """The server's RetryInfo delay, or 0."""
+    for detail in error_info(err)[1]:
+        if isinstance(detail, error_details_pb2.RetryInfo):
+            return detail.retry_delay.ToMilliseconds() / 1000
+    return 0.0
+
+
+def _print_missing(seq: int, err: grpc.RpcError) -> None:
+    run_id = _STATE.get("run_id", "?")
+    if _json():
+        render.print_line(json.dumps({"seq": seq, "missing": True, "reason": reason(err)}))
+    render.err_console.print(
+        f"  seq {seq} is missing from the read model (STREAM_RESUME_REQUIRED at every resume for "
+        f"{HOLE_WAIT_S:g} s): not shown; going on from seq {seq + 1}. The log is the truth; "
+        f"investigate: tether audit verify --run {run_id}", markup=False, soft_wrap=True,
+    )
 
 
 def _final_run(client: Client, run_id: str, terminal: runs_pb.RunEvent | None) -> runs_pb.Run:
