@@ -218,6 +218,7 @@ class ModelCallCompleted(AvroRecord):
     latency_ms: int = Field(description="Model latency in milliseconds.")
     attempts: int = Field(1, description="Provider attempts made (retries on 429/5xx).")
     compacted: bool = Field(False, description="True if the working context was compacted before this call.")
+    usage_estimated: bool = Field(False, description="True when part of usage is the planner's estimate, not the provider's count: the provider did not report it, or an attempt was cut before its usage (estimated deliberately high).")
 
 
 class ModelCallFailed(AvroRecord):
@@ -230,6 +231,7 @@ class ModelCallFailed(AvroRecord):
     detail: str = Field(description="Explanation (never contains secrets or raw provider credentials).")
     attempts: int = Field(description="Attempts made.")
     usage: Usage = Field(description="Usage consumed by the failed attempts.")
+    usage_estimated: bool = Field(False, description="True when part of usage is the planner's estimate, not the provider's count: an attempt was cut before the provider reported its usage, or the answer's usage was unreadable (estimated deliberately high).")
 
 
 class RunCompleted(AvroRecord):

@@ -348,6 +348,7 @@ def on_step_work_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
             result.compacted,
             result.priced,
             max(0, result.model_calls),
+            usage_estimated=result.usage_estimated is True,
         )
         records, new_state = _outcome(result, step, run_id, state, deps)
     try:
@@ -397,6 +398,7 @@ def _outcome(
                 latency_ms=result.latency_ms,
                 attempts=max(1, result.attempts),
                 compacted=result.compacted,
+                usage_estimated=result.usage_estimated,
             ),
             (step,),
         ))
@@ -449,7 +451,8 @@ def _outcome(
         detail = deps.scrub(result.detail)[: deps.limits.detail_max_chars]
         records.append((
             ModelCallFailed(
-                step=step, error_code=result.error_code, detail=detail, attempts=result.attempts, usage=_usage(result.usage)
+                step=step, error_code=result.error_code, detail=detail, attempts=result.attempts, usage=_usage(result.usage),
+                usage_estimated=result.usage_estimated,
             ),
             (step,),
         ))

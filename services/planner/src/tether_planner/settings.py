@@ -43,9 +43,9 @@ class PlannerSettings(LoopServiceSettings):
     # -- retries and timeouts ----------------------------------------------------------------
     connect_timeout_s: float = Field(10.0, gt=0, description="TCP/TLS connect timeout of a model call.")
     read_timeout_s: float = Field(120.0, gt=0, description="Per read; with streaming, between chunks.")
-    call_timeout_s: float = Field(600.0, gt=0, description="One model-call attempt as a whole (checked between "
-                                  "reads, so it may run over by up to read_timeout_s); past it the step fails "
-                                  "with TIMEOUT, not retried.")
+    call_timeout_s: float = Field(600.0, gt=0, description="One model-call attempt as a whole (every connect "
+                                  "and read gets min(its timeout, time left)); past it the step fails with "
+                                  "TIMEOUT, not retried.")
     max_response_bytes: int = Field(16 * 1024 * 1024, gt=0, description="Most bytes of one model answer (body "
                                     "or stream); a larger one is a malformed answer.")
     max_attempts: int = Field(5, ge=1, description="HTTP attempts per model call (429/5xx/timeouts are retried).")

@@ -90,6 +90,42 @@ EMPTY_ANSWER = "EMPTY_ANSWER"
 MISSING_TOOL_CALLS = "MISSING_TOOL_CALLS"
 INCOMPLETE = "INCOMPLETE"
 
+#: Codes a MalformedResponse detail starts with (providers/http.py); any other is INVALID_RESPONSE.
+_RESPONSE_CODES = ("ANSWER_TOO_LARGE", "INVALID_RESPONSE")
+#: Why an answer refused as a whole was refused, in our own words (never the answer's text: it is
+#: untrusted, and repeating it would invite the same answer).
+_REASK_REASONS = {
+    EMPTY_ANSWER: "it had neither text nor a tool call",
+    MISSING_TOOL_CALLS: "its finish reason said tool calls but it had none",
+    INCOMPLETE: "it was not finished",
+    TOO_MANY_TOOL_CALLS: "it had more tool calls than one answer may have",
+    ARGS_TOO_LARGE: "the arguments of a tool call were larger than allowed",
+    TEXT_TOO_LARGE: "its text was longer than allowed",
+    "ANSWER_TOO_LARGE": "it was larger than allowed",
+    "INVALID_RESPONSE": "it was not in the shape of the provider's API",
+}
+#: The fixed start of the platform note added to a re-ask after an answer refused as a whole.
+REASK_NOTE_PREFIX = "Platform note (unusable answer): "
+
+
+def reask_note(code: str) -> ChatMessage:
+    """The note that goes with the re-ask after an answer refused as a whole: our own fixed text and
+    the machine-readable code, so the model knows why and does not answer the same way again."""
+    code = code if code in _REASK_REASONS else "INVALID_RESPONSE"
+    return ChatMessage(
+        role="system",
+        content=(
+            f"{REASK_NOTE_PREFIX}[{code}] your previous answer could not be used: {_REASK_REASONS[code]}. "
+            "It was discarded. Answer again, either with valid tool calls to the offered tools or with "
+            "your final answer as text."
+        ),
+    )
+
+
+def _response_code(detail: str) -> str:
+    head = detail.split(":", 1)[0]
+    return head if head in _RESPONSE_CODES else "INVALID_RESPONSE"
+
 
 @dataclass(frozen=True)
 class StepInput:
@@ -136,6 +172,9 @@ class StepSucceeded:
     #: messages of the snapshot it was built from.
     messages: tuple[ChatMessage, ...]
     base_len: int
+    #: True when part of `usage` is the planner's estimate, not the provider's count (not reported,
+    #: or an attempt cut before its usage: providers/http.py `estimate_usage`).
+    usage_estimated: bool = False
 
     @property
     def final(self) -> bool:
@@ -156,6 +195,7 @@ class StepFailed:
     model_calls: int
     messages: tuple[ChatMessage, ...] = field(default=())
     base_len: int = 0
+    usage_estimated: bool = False
 
 
 StepResult = StepSucceeded | StepFailed
@@ -301,6 +341,7 @@ class _Tally:
     latency_ms: int = 0
     priced: bool = True
     model_calls: int = 0
+    usage_estimated: bool = False
 
 
 def run_step(
@@ -323,7 +364,7 @@ def run_step(
         log.error("step_work_crashed", run_id=inp.run_id, step=inp.step, error=type(exc).__name__)
         return StepFailed(
             inp.step, PROVIDER_ERROR, f"planner error: {type(exc).__name__}: {cut_whole(str(exc), 4000)}", tally.usage,
-            tally.attempts, False, tally.priced, tally.model_calls,
+            tally.attempts, False, tally.priced, tally.model_calls, usage_estimated=tally.usage_estimated,
         )
 
 
@@ -337,22 +378,23 @@ def _run_step(
     def failed(code: str, detail: str) -> StepFailed:
         return StepFailed(
             inp.step, code, detail, tally.usage, tally.attempts, compacted, tally.priced, tally.model_calls,
-            tuple(working), base_len,
+            tuple(working), base_len, tally.usage_estimated,
         )
 
     def succeeded(text: str, calls: tuple[PlannedCall, ...], finish_reason: str) -> StepSucceeded:
         return StepSucceeded(
             inp.step, text, calls, finish_reason, tally.usage, tally.attempts, tally.latency_ms, compacted,
-            tally.priced, tally.model_calls, tuple(working), base_len,
+            tally.priced, tally.model_calls, tuple(working), base_len, tally.usage_estimated,
         )
 
-    def bill(input_tokens: int, output_tokens: int) -> None:
+    def bill(input_tokens: int, output_tokens: int, *, estimate: bool = False) -> None:
         input_tokens, output_tokens = min(input_tokens, MAX_TOKENS_PER_CALL), min(output_tokens, MAX_TOKENS_PER_CALL)
         cost = pricing.cost(inp.model.name, input_tokens, output_tokens)
         tally.usage = tally.usage + UsageTotals(
             input_tokens=input_tokens, output_tokens=output_tokens, cost_usd_micros=cost.usd_micros
         )
         tally.priced = tally.priced and cost.priced
+        tally.usage_estimated = tally.usage_estimated or estimate
 
     try:
         adapter = provider()
@@ -385,8 +427,14 @@ def _run_step(
     emergency_used = False
     failures = 0
     offered_names = [t.name for t in inp.offered]
+    # The note for the next call after an answer refused as a whole (nothing of it is kept, so
+    # without a note the model would not know why it is asked again); it is not kept either.
+    note: ChatMessage | None = None
     while True:
         context = for_request(working)
+        if note is not None:
+            context.append(note)
+            note = None
         estimated = estimate_tokens(inp.system, context, inp.offered)
         used = tally.usage.input_tokens + tally.usage.output_tokens
         request = ModelRequest(
@@ -406,7 +454,7 @@ def _run_step(
         except ContextOverflow as exc:
             tally.attempts += exc.attempts
             if exc.input_tokens or exc.output_tokens:
-                bill(exc.input_tokens, exc.output_tokens)
+                bill(exc.input_tokens, exc.output_tokens, estimate=exc.usage_estimated)
             c = None
             if not emergency_used:
                 c = compact(working, keep_turns=config.emergency_keep_turns, summary_max_chars=config.summary_max_chars)
@@ -421,16 +469,17 @@ def _run_step(
             # The provider answered (and billed the prompt, estimated here: the usage was unreadable)
             # in a shape the adapter could not read: a malformed answer, asked again within the limit.
             tally.attempts += exc.attempts
-            bill(estimated + exc.input_tokens, exc.output_tokens)
+            bill(estimated + exc.input_tokens, exc.output_tokens, estimate=True)
             failures += 1
             log.info("malformed_answer", run_id=inp.run_id, step=inp.step, failures=failures, detail=exc.detail)
             if failures >= config.malformed_limit:
                 return failed(MALFORMED_OUTPUT, f"{exc.detail} ({failures} consecutive unusable responses)")
+            note = reask_note(_response_code(exc.detail))
             continue
         except ProviderError as exc:
             tally.attempts += exc.attempts
             if exc.input_tokens or exc.output_tokens:
-                bill(exc.input_tokens, exc.output_tokens)
+                bill(exc.input_tokens, exc.output_tokens, estimate=exc.usage_estimated)
             return failed(exc.code, exc.detail)
 
         text = clean_text(response.text)
@@ -447,6 +496,7 @@ def _run_step(
         bill(
             input_tokens + (_tokens(response.retried_input_tokens) or 0),
             output_tokens + (_tokens(response.retried_output_tokens) or 0),
+            estimate=reported_in is None or reported_out is None or response.retried_usage_estimated,
         )
         tally.attempts += response.attempts
         tally.latency_ms += response.latency_ms
@@ -478,6 +528,7 @@ def _run_step(
             log.info("malformed_answer", run_id=inp.run_id, step=inp.step, failures=failures, code=over[0], detail=over[1])
             if failures >= config.malformed_limit:
                 return failed(MALFORMED_OUTPUT, f"{over[0]}: {failures} consecutive unusable responses; last: {over[1]}")
+            note = reask_note(over[0])
             continue
 
         if not calls:

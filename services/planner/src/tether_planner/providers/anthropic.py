@@ -13,6 +13,7 @@ from tether_planner.domain.validation import RawToolCall
 from tether_planner.providers.http import (
     HttpProvider,
     HttpSettings,
+    StreamCut,
     error_message,
     is_context_overflow,
     token_count,
@@ -158,6 +159,7 @@ class AnthropicProvider(HttpProvider):
             raw_finish_reason=raw_finish,
             retried_input_tokens=retried[0],
             retried_output_tokens=retried[1],
+            retried_usage_estimated=retried[2],
         )
 
     def _error(self, body: Any) -> ProviderError:
@@ -185,6 +187,8 @@ class AnthropicProvider(HttpProvider):
         stop_reason = None
         usage_in: int | None = None
         usage_out: int | None = None
+        # message_start's output count is a start value; the final one comes with message_delta.
+        final_out = False
         model = None
         stopped = False
         for _event, data in events:
@@ -215,14 +219,12 @@ class AnthropicProvider(HttpProvider):
                 stop_reason = (ev.get("delta") or {}).get("stop_reason") or stop_reason
                 if usage_object(ev.get("usage")).get("output_tokens") is not None:
                     usage_out = token_count(ev["usage"]["output_tokens"])
+                    final_out = True
             elif kind == "message_stop":
                 stopped = True
                 break
         if not stopped:
-            raise ProviderError(
-                "stream ended before message_stop", retryable=True,
-                input_tokens=max(0, usage_in or 0), output_tokens=max(0, usage_out or 0),
-            )
+            raise StreamCut("stream ended before message_stop", reported=(usage_in, usage_out if final_out else None))
         text = "".join(b.get("text", "") for _, b in sorted(blocks.items()) if b.get("type") == "text")
         calls = []
         for _, b in sorted(blocks.items()):

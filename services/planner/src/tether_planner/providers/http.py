@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ import structlog
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from tether_planner.domain.redaction import Scrubber, cut_whole
+from tether_planner.providers.deadline import attempt_deadline, deadline_transport
 from tether_planner.providers.port import (
     ContextOverflow,
     MalformedResponse,
@@ -49,6 +51,38 @@ _CONTEXT_MARKERS = (
 )
 
 
+#: Tokens per byte for an attempt the provider billed but never reported (an answer cut before its
+#: usage chunk). Deliberately high: English runs about 0.25 tokens a byte, JSON and code about 0.3,
+#: so the estimate of the request body (the prompt, with its JSON framing) overstates the prompt;
+#: the bytes of the answer received (with its SSE framing) overstate its output far more, so that
+#: part is capped at the request's max_tokens, which the provider cannot have exceeded.
+ESTIMATE_TOKENS_PER_BYTE = 0.5
+
+
+def estimate_usage(prompt_bytes: int, received_bytes: int, max_tokens: int) -> tuple[int, int]:
+    """A conservative (input, output) for an attempt whose usage the provider never reported."""
+    output = min(max(1, max_tokens), math.ceil(received_bytes * ESTIMATE_TOKENS_PER_BYTE))
+    return max(1, math.ceil(prompt_bytes * ESTIMATE_TOKENS_PER_BYTE)), output
+
+
+class StreamCut(ProviderError):
+    """A stream that ended before its answer was complete (retried). `reported` holds the usage the
+    provider had sent by then, a count None where it had not sent its final value: the adapter
+    estimates those (`estimate_usage`), since the provider billed the attempt all the same."""
+
+    def __init__(self, detail: str, *, reported: tuple[int | None, int | None]) -> None:
+        super().__init__(detail, retryable=True)
+        self.reported = reported
+
+
+@dataclass
+class _Progress:
+    """How far an attempt got: whether the provider started a 2xx answer, and its bytes read."""
+
+    answering: bool = False
+    received: int = 0
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """Exponential backoff with jitter; a server's Retry-After wins (capped)."""
@@ -67,9 +101,9 @@ class HttpSettings:
     api_key: str | None = None
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 120.0
-    #: One attempt as a whole (status, headers and body or stream), checked between reads: a
-    #: provider that keeps a stream alive (pings, a slow drip) would otherwise hold a work thread
-    #: for ever, since the read timeout only bounds each read.
+    #: One attempt as a whole (connect, status, headers and body or stream): every read gets
+    #: min(read_timeout_s, time left) (providers/deadline.py), so a provider that keeps a stream
+    #: alive (pings, a slow drip) or goes quiet near the end cannot hold a work thread past it.
     call_timeout_s: float = 600.0
     #: Most bytes of one answer (body or stream) read before it is refused as malformed.
     max_response_bytes: int = 16 * 1024 * 1024
@@ -204,9 +238,11 @@ class HttpProvider:
         self.settings = settings
         self.scrub = Scrubber([settings.api_key] if settings.api_key else [])
         self._sleep = sleep
+        limits = httpx.Limits(max_connections=settings.max_connections)
         self._client = httpx.Client(
             timeout=httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s),
-            limits=httpx.Limits(max_connections=settings.max_connections),
+            limits=limits,
+            transport=deadline_transport(limits),
         )
         policy = settings.retry
         self._backoff = wait_exponential_jitter(
@@ -231,12 +267,16 @@ class HttpProvider:
             return min(exc.retry_after, self.settings.retry.retry_after_max_s)
         return float(self._backoff(state))
 
-    def with_retries(self, request: ModelRequest, attempt_fn: Callable[[int], T]) -> tuple[T, int, tuple[int, int]]:
+    def with_retries(
+        self, request: ModelRequest, attempt_fn: Callable[[int], T]
+    ) -> tuple[T, int, tuple[int, int, bool]]:
         """Run `attempt_fn(attempt_number)` until it succeeds or a non-retryable error / the last attempt.
 
-        Returns the value, the attempts made and the (input, output) tokens reported by failed
-        attempts (billed though unusable); a final ProviderError carries those sums."""
+        Returns the value, the attempts made and the (input, output) tokens of failed attempts
+        (billed though unusable) with whether any of them is estimated; a final ProviderError
+        carries those sums."""
         billed = [0, 0]
+        estimated = False
         retrying = Retrying(
             stop=stop_after_attempt(self.settings.retry.max_attempts),
             wait=self._wait,
@@ -250,10 +290,11 @@ class HttpProvider:
                 with attempt:
                     attempt_number = attempt.retry_state.attempt_number
                     try:
-                        return attempt_fn(attempt_number), attempt_number, (billed[0], billed[1])
+                        return attempt_fn(attempt_number), attempt_number, (billed[0], billed[1], estimated)
                     except ProviderError as exc:
                         billed[0] += exc.input_tokens
                         billed[1] += exc.output_tokens
+                        estimated = estimated or exc.usage_estimated
                         log.info(
                             "model_attempt_failed",
                             run_id=request.run_id,
@@ -262,27 +303,31 @@ class HttpProvider:
                             status=exc.status,
                             retryable=exc.retryable,
                             detail=exc.detail,
+                            input_tokens=exc.input_tokens,
+                            output_tokens=exc.output_tokens,
+                            usage_estimated=exc.usage_estimated,
                         )
                         raise
         except ProviderError as exc:
             exc.attempts = attempt_number
             exc.input_tokens, exc.output_tokens = billed
+            exc.usage_estimated = estimated
             raise
         raise ProviderError("no attempt was made", attempts=attempt_number)  # unreachable: stop_after_attempt >= 1
 
-    def _bounded_lines(self, response: httpx.Response, deadline: float) -> Iterator[str]:
+    def _bounded_lines(self, response: httpx.Response, deadline: float, progress: _Progress) -> Iterator[str]:
         """The response's lines, refused past the attempt's deadline or the answer's size limit."""
-        read = 0
         for line in response.iter_lines():
-            read += len(line) + 1
-            self._check(read, deadline)
+            progress.received += len(line.encode("utf-8", "replace")) + 1
+            self._check(progress.received, deadline)
             yield line
 
-    def _bounded_body(self, response: httpx.Response, deadline: float) -> bytes:
-        chunks, read = [], 0
+    def _bounded_body(self, response: httpx.Response, deadline: float, progress: _Progress | None = None) -> bytes:
+        progress = progress if progress is not None else _Progress()
+        chunks = []
         for chunk in response.iter_bytes():
-            read += len(chunk)
-            self._check(read, deadline)
+            progress.received += len(chunk)
+            self._check(progress.received, deadline)
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -291,10 +336,13 @@ class HttpProvider:
             raise MalformedResponse(
                 f"ANSWER_TOO_LARGE: the provider's answer passed {self.settings.max_response_bytes} bytes")
         if time.monotonic() > deadline:
-            # Not retried: a provider that kept this call alive that long would likely do it again.
-            raise ProviderTimeout(
-                f"the model call did not finish within {self.settings.call_timeout_s:g} s (call_timeout_s)",
-                retryable=False)
+            raise self._call_timeout()
+
+    def _call_timeout(self) -> ProviderTimeout:
+        # Not retried: a provider that kept this call alive that long would likely do it again.
+        return ProviderTimeout(
+            f"the model call did not finish within {self.settings.call_timeout_s:g} s (call_timeout_s)",
+            retryable=False)
 
     def post(
         self,
@@ -305,43 +353,87 @@ class HttpProvider:
         parse: Callable[[Any], T],
         parse_stream: Callable[[Iterator[tuple[str | None, str]]], T],
     ) -> tuple[T, int, tuple[int, int]]:
-        """POST with retries; `parse` reads a JSON body, `parse_stream` an SSE stream."""
+        """POST with retries; `parse` reads a JSON body, `parse_stream` an SSE stream.
+
+        An attempt cut while its 2xx answer was arriving (a stream that ends or a connection reset
+        before the usage, a read timeout, the call timeout) was billed by the provider: its error
+        carries the usage reported by then, the rest estimated (`estimate_usage`, marked
+        `usage_estimated`)."""
+        prompt_bytes = len(json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace"))
 
         def attempt(n: int) -> T:
             all_headers = {**headers, **self.tether_headers(request, n)}
             deadline = time.monotonic() + self.settings.call_timeout_s
-            try:
-                if request.stream:
-                    with self._client.stream("POST", url, json=body, headers=all_headers) as response:
-                        if response.status_code >= 400:
-                            raise status_error(response, self.scrub, self._bounded_body(response, deadline))
-                        try:
-                            return parse_stream(iter_sse(self._bounded_lines(response, deadline)))
-                        except (ProviderError, httpx.HTTPError):
-                            raise
-                        except Exception as exc:  # the answer's shape: untrusted input, never a crash
-                            raise _malformed(exc) from exc
-                with self._client.stream("POST", url, json=body, headers=all_headers) as response:
-                    content = self._bounded_body(response, deadline)
+            progress = _Progress()
+            cause: BaseException | None = None
+            with attempt_deadline(deadline) as bound:
+                try:
+                    return self._attempt(request, url, all_headers, body, parse, parse_stream, deadline, progress)
+                except httpx.TimeoutException as exc:
+                    cause = exc
+                    error: ProviderError = self._call_timeout() if bound.cut else ProviderTimeout(
+                        f"{type(exc).__name__} talking to the model provider", retryable=True)
+                except httpx.TransportError as exc:
+                    cause = exc
+                    error = ProviderError(
+                        f"{type(exc).__name__} talking to the model provider: {self.scrub(str(exc))}", retryable=True)
+                except ProviderError as exc:
+                    error = exc
+            if progress.answering and (isinstance(error, (StreamCut, ProviderTimeout)) or cause is not None):
+                self._bill_cut(error, request, prompt_bytes, progress.received)
+            if cause is None:
+                raise error
+            raise error from cause
+
+        return self.with_retries(request, attempt)
+
+    def _bill_cut(self, error: ProviderError, request: ModelRequest, prompt_bytes: int, received: int) -> None:
+        """Give a cut attempt's error its usage: as reported, else estimated (and marked so)."""
+        reported_in, reported_out = error.reported if isinstance(error, StreamCut) else (None, None)
+        if reported_in is not None and reported_out is not None:
+            error.input_tokens, error.output_tokens = max(0, reported_in), max(0, reported_out)
+            return
+        estimated_in, estimated_out = estimate_usage(prompt_bytes, received, request.max_tokens)
+        error.input_tokens = max(0, reported_in) if reported_in is not None else estimated_in
+        error.output_tokens = max(0, reported_out) if reported_out is not None else estimated_out
+        error.usage_estimated = True
+
+    def _attempt(
+        self,
+        request: ModelRequest,
+        url: str,
+        headers: dict[str, str],
+        body: dict[str, Any],
+        parse: Callable[[Any], T],
+        parse_stream: Callable[[Iterator[tuple[str | None, str]]], T],
+        deadline: float,
+        progress: _Progress,
+    ) -> T:
+        if request.stream:
+            with self._client.stream("POST", url, json=body, headers=headers) as response:
                 if response.status_code >= 400:
-                    raise status_error(response, self.scrub, content)
+                    raise status_error(response, self.scrub, self._bounded_body(response, deadline))
+                progress.answering = True
                 try:
-                    data = json.loads(content)
-                except json.JSONDecodeError as exc:
-                    raise ProviderError(f"response is not JSON: {exc}", status=response.status_code, retryable=True) from exc
-                except (UnicodeDecodeError, RecursionError) as exc:
-                    raise _malformed(exc) from exc
-                try:
-                    return parse(data)
-                except ProviderError:
+                    return parse_stream(iter_sse(self._bounded_lines(response, deadline, progress)))
+                except (ProviderError, httpx.HTTPError):
                     raise
                 except Exception as exc:  # the answer's shape: untrusted input, never a crash
                     raise _malformed(exc) from exc
-            except httpx.TimeoutException as exc:
-                raise ProviderTimeout(f"{type(exc).__name__} talking to the model provider", retryable=True) from exc
-            except httpx.TransportError as exc:
-                raise ProviderError(
-                    f"{type(exc).__name__} talking to the model provider: {self.scrub(str(exc))}", retryable=True
-                ) from exc
-
-        return self.with_retries(request, attempt)
+        with self._client.stream("POST", url, json=body, headers=headers) as response:
+            progress.answering = response.status_code < 400
+            content = self._bounded_body(response, deadline, progress)
+        if response.status_code >= 400:
+            raise status_error(response, self.scrub, content)
+        try:
+            data = json.loads(content)
+        except json.JSONDecodeError as exc:
+            raise ProviderError(f"response is not JSON: {exc}", status=response.status_code, retryable=True) from exc
+        except (UnicodeDecodeError, RecursionError) as exc:
+            raise _malformed(exc) from exc
+        try:
+            return parse(data)
+        except ProviderError:
+            raise
+        except Exception as exc:  # the answer's shape: untrusted input, never a crash
+            raise _malformed(exc) from exc

@@ -12,6 +12,7 @@ from tether_planner.domain.validation import RawToolCall
 from tether_planner.providers.http import (
     HttpProvider,
     HttpSettings,
+    StreamCut,
     error_message,
     is_context_overflow,
     token_count,
@@ -44,13 +45,14 @@ _RETRYABLE_ERROR_TYPES = {"server_error", "rate_limit_exceeded", "rate_limit_err
                           "timeout", "timeout_error", "service_unavailable"}
 
 
-def _billed(usage: Any) -> tuple[int, int]:
-    """The (input, output) tokens a cut stream reported before it stopped; (0, 0) when unreadable."""
+def _billed(usage: Any) -> tuple[int | None, int | None]:
+    """The (input, output) tokens a cut stream reported before it stopped (the usage chunk comes
+    last, with both); None for a count not sent or unreadable (the adapter estimates it)."""
     try:
         usage = usage_object(usage)
-        return (max(0, token_count(usage.get("prompt_tokens")) or 0), max(0, token_count(usage.get("completion_tokens")) or 0))
+        return token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens"))
     except ValueError:
-        return 0, 0
+        return None, None
 
 
 def _finish(raw: Any, has_calls: bool) -> str:
@@ -151,6 +153,7 @@ class OpenAIChatProvider(HttpProvider):
             raw_finish_reason=raw_finish,
             retried_input_tokens=retried[0],
             retried_output_tokens=retried[1],
+            retried_usage_estimated=retried[2],
         )
 
     @staticmethod
@@ -232,10 +235,7 @@ class OpenAIChatProvider(HttpProvider):
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
         if not done and finish is None:
-            billed = _billed(usage)
-            raise ProviderError(
-                "stream ended before the response was complete", retryable=True, input_tokens=billed[0], output_tokens=billed[1]
-            )
+            raise StreamCut("stream ended before the response was complete", reported=_billed(usage))
         calls = [
             RawToolCall(slots[i]["id"] or self._call_id(request, n), slots[i]["name"], slots[i]["arguments"])
             for n, i in enumerate(sorted(slots))

@@ -55,6 +55,9 @@ class ModelResponse:
     #: Tokens reported for earlier attempts of this call that failed after being billed.
     retried_input_tokens: int = 0
     retried_output_tokens: int = 0
+    #: True when part of the retried tokens is the adapter's estimate (an attempt cut before the
+    #: provider reported its usage: providers/http.py `estimate_usage`).
+    retried_usage_estimated: bool = False
 
 
 class ProviderError(Exception):
@@ -77,6 +80,7 @@ class ProviderError(Exception):
         attempts: int = 1,
         input_tokens: int = 0,
         output_tokens: int = 0,
+        usage_estimated: bool = False,
     ) -> None:
         super().__init__(detail)
         self.detail = detail
@@ -84,10 +88,13 @@ class ProviderError(Exception):
         self.retryable = retryable
         self.retry_after = retry_after
         self.attempts = attempts
-        #: Tokens the provider reported for attempts that failed after it billed them (a stream cut
-        #: after its usage chunk); summed over the call's attempts by the adapter.
+        #: Tokens of attempts that failed after the provider billed them (a stream cut after its usage
+        #: chunk: as reported; cut before it: estimated); summed over the call's attempts by the adapter.
         self.input_tokens = input_tokens
         self.output_tokens = output_tokens
+        #: True when part of those tokens is an estimate: an attempt whose answer was cut before
+        #: the provider reported its usage is billed at a deliberately high estimate, never as free.
+        self.usage_estimated = usage_estimated
 
 
 class ProviderTimeout(ProviderError):
