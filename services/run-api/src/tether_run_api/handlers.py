@@ -632,9 +632,10 @@ def list_approvals(
     """A page of the tenant's approvals in `status` (default PENDING) as of now_ms, oldest request first.
 
     The status is the effective one the response shows: a PENDING approval past its expiry is
-    EXPIRED (listed there, not under PENDING) even before the approval service records it.
+    EXPIRED (listed there, not under PENDING) even before the approval service records it. An
+    approver may read what they may decide (member or approver).
     """
-    principal.require(ROLE_MEMBER)
+    principal.require_any(ROLE_MEMBER, ROLE_APPROVER)
     status = status or "PENDING"
     violations = []
     if status not in APPROVAL_STATUSES:
@@ -654,8 +655,8 @@ def list_approvals(
 
 
 def get_approval(approval_id: str, *, principal: Principal, read_model: ReadModel) -> ApprovalView:
-    """One approval of the tenant."""
-    principal.require(ROLE_MEMBER)
+    """One approval of the tenant (member or approver: `tether approvals approve` reads it first)."""
+    principal.require_any(ROLE_MEMBER, ROLE_APPROVER)
     violations = check_no_nul(approval_id, "approval_id")
     if not approval_id or len(approval_id) > 128:
         violations.append(FieldViolation("approval_id", "must be 1-128 characters"))

@@ -42,6 +42,11 @@ class Principal:
         if not self.has(role):
             raise MissingRole(role)
 
+    def require_any(self, *roles: str) -> None:
+        """Raise MissingRole (naming the first role, metadata any_of) unless the principal holds one of `roles`."""
+        if not any(self.has(role) for role in roles):
+            raise MissingRole(roles[0], any_of=roles)
+
 
 def generate_api_key() -> str:
     """A new random API key (shown once; only its hash is stored)."""

@@ -60,8 +60,12 @@ class MissingRole(ApiError):
     category = Category.PERMISSION_DENIED
     reason = "MISSING_ROLE"
 
-    def __init__(self, role: str) -> None:
-        super().__init__(f"this method needs the {role!r} role", required_role=role)
+    def __init__(self, role: str, any_of: tuple[str, ...] = ()) -> None:
+        if len(any_of) > 1:
+            super().__init__(f"this method needs one of the roles {', '.join(any_of)}", required_role=role,
+                             any_of=",".join(any_of))
+        else:
+            super().__init__(f"this method needs the {role!r} role", required_role=role)
 
 
 class InvalidArgument(ApiError):
