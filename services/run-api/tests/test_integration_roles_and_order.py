@@ -1,4 +1,4 @@
-"""On the real stack: what an approver-only key may read."""
+"""On the real stack: what an approver-only key may read, and a cancel never overtaking its run's submit."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import uuid
 
 import grpc
 import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from psycopg import sql
 
 from tether_api.v1 import (
@@ -21,7 +22,10 @@ from tether_api.v1 import (
     tool_service_pb2_grpc as tools_grpc,
     types_pb2 as types_pb,
 )
+from tether_contracts.records import CancelRun, SubmitRun
+from tether_messaging.serde import decode_envelope, open_payload
 from tether_run_api import admin
+from tether_run_api.adapters.kafka import KafkaCommandPublisher
 from tether_run_api.api.status import error_info
 from tether_run_api.domain.auth import ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER
 
@@ -68,6 +72,35 @@ def pending_approval(stack, tenant_id: str, run_id: str, args_hash: str) -> str:
     return approval_id
 
 
+def run_records(stack, run_id: str, expect: int, timeout_s: float = 30.0) -> list:
+    """Every record keyed run_id on the commands topic, per partition in offset order (waits for `expect`)."""
+    consumer = Consumer({"bootstrap.servers": stack.settings.kafka_bootstrap, "group.id": f"t-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "isolation.level": "read_committed"})
+    topic = stack.settings.topic_prefix + "tether.commands.v1"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = []
+            for partition in range(stack.settings.partitions):
+                _low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+                consumer.assign([TopicPartition(topic, partition, OFFSET_BEGINNING)])
+                position = 0
+                while position < high:
+                    msg = consumer.poll(1.0)
+                    if msg is None:
+                        continue
+                    if msg.error():
+                        raise RuntimeError(msg.error())
+                    position = msg.offset() + 1
+                    if msg.key() == run_id.encode():
+                        found.append(msg)
+            if len(found) >= expect or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
+    finally:
+        consumer.close()
+
+
 def test_an_approver_only_key_reads_and_decides_its_tenants_approvals(stack) -> None:
     tenant_id, key = with_agent(stack)
     runs = runs_grpc.RunServiceStub(stack.channel)
@@ -99,3 +132,33 @@ def test_an_approver_only_key_reads_and_decides_its_tenants_approvals(stack) -> 
         runs.GetRun(runs_pb.GetRunRequest(run_id=run_id), metadata=md(bob))
     assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED and reason(err.value) == "MISSING_ROLE"
 
+
+def test_a_cancel_of_a_run_whose_submit_kafka_never_acknowledged_follows_that_submit(stack) -> None:
+    tenant_id, key = with_agent(stack)
+    runs = runs_grpc.RunServiceStub(stack.channel)
+    services = stack.app.services
+    live = services.publisher
+    # A Kafka outage: a real producer whose broker does not answer.
+    services.publisher = KafkaCommandPublisher("127.0.0.1:1", live.topic, delivery_timeout_ms=1000)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            runs.SubmitRun(runs_pb.SubmitRunRequest(agent_id="helper", goal="g", request_id="r-outage"),
+                           metadata=md(key))
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE and reason(err.value) == "COMMAND_NOT_DELIVERED"
+    finally:
+        services.publisher.close(timeout_s=0)
+        services.publisher = live
+    submission = stack.app.store.get(tenant_id, "r-outage")
+    assert submission is not None and not submission.delivered
+    run_id = submission.run_id
+    shown = runs.GetRun(runs_pb.GetRunRequest(run_id=run_id), metadata=md(key)).run
+    assert shown.status == runs_pb.RUN_STATUS_PENDING
+
+    # Kafka is back; the cancel comes before the sweeper's redelivery.
+    runs.CancelRun(runs_pb.CancelRunRequest(run_id=run_id, reason="never mind"), metadata=md(key))
+    msgs = run_records(stack, run_id, expect=2)
+    assert {m.partition() for m in msgs} == {submission.partition}
+    kinds = [type(open_payload(decode_envelope(m.value()))) for m in msgs]
+    assert kinds == [SubmitRun, CancelRun]  # without the fix: [CancelRun], the submit left to the sweeper
+    assert decode_envelope(msgs[0].value()).event_id == decode_envelope(submission.envelope).event_id
+    assert stack.app.store.get(tenant_id, "r-outage").delivered  # the sweeper will not produce it again

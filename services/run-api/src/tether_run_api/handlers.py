@@ -394,7 +394,13 @@ def cancel_run(
     catalog: Catalog,
     traceparent: str | None = None,
 ) -> None:
-    """Produce a CancelRun command for a run of the tenant that has not finished."""
+    """Produce a CancelRun command for a run of the tenant that has not finished.
+
+    A run whose SubmitRun the ledger holds but Kafka never acknowledged (a submit during an
+    outage, GetRun PENDING) gets that very record produced first, to its partition: a cancel
+    ahead of its submit would be dead-lettered (UNKNOWN_RUN) and the sweeper's later submit
+    would start the run the caller was told was cancelled.
+    """
     principal.require(ROLE_MEMBER)
     violations = check_no_nul(reason, "reason")
     if len(reason) > 1000:
@@ -404,6 +410,10 @@ def cancel_run(
     view = _visible_run(principal.tenant_id, run_id, read_model, ledger)
     if view.status.finished:
         raise RunAlreadyFinished(run_id, view.status.value)
+    submission = ledger.find_run(principal.tenant_id, run_id)
+    if submission is not None and not submission.delivered:
+        publisher.publish(decode_envelope(submission.envelope), submission.partition)
+        ledger.mark_delivered(principal.tenant_id, submission.request_id)
     envelope = make_envelope(
         CancelRun(principal_id=principal.principal_id, reason=reason or "cancelled by user"),
         run_id=run_id,
@@ -414,7 +424,9 @@ def cancel_run(
         recorded_at_ms=now_ms,
         traceparent=traceparent,
     )
-    publisher.publish(envelope, _run_partition(principal.tenant_id, run_id, ledger, catalog, partitioning))
+    partition = submission.partition if submission is not None else \
+        _run_partition(principal.tenant_id, run_id, ledger, catalog, partitioning)
+    publisher.publish(envelope, partition)
 
 
 def _run_partition(
