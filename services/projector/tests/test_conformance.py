@@ -233,3 +233,25 @@ def test_runs_that_never_ended_leave_the_index_after_the_live_ttl(live: tuple[Li
     assert view.active("t1") == {"old": 1000.0, "recent": 1000.0 + LIVE_TTL * 1000}
     state.publish([update(1, run_id="new", created_at_ms=1001 + LIVE_TTL * 1000)])
     assert sorted(view.active("t1")) == ["new", "recent"]
+
+
+def test_a_late_older_publish_leaves_an_ended_run_out_of_the_index_with_its_ended_ttl(
+    live: tuple[LiveState, LiveView],
+) -> None:
+    # Two owners during a rebalance: the new one published the run up to its end; the old one's
+    # publish of an earlier batch (the run not ended in that fold) arrives after it.
+    state, view = live
+    state.publish([update(1), update(2, ended=True)])
+    state.publish([update(1, hot_seq=1)])
+    assert view.active("t1") == {}
+    assert view.ended_ttl("r1")
+    assert view.hot("r1")["status"] == "ENDED"
+
+
+def test_an_update_without_an_entry_adds_nothing_to_the_stream(live: tuple[LiveState, LiveView]) -> None:
+    state, view = live
+    state.publish([update(1)])
+    state.publish([LiveUpdate(run_id="r1", tenant_id="t1", seq=2, entry={}, hot={"last_seq": "2", "status": "RUNNING"},
+                              hot_seq=2, created_at_ms=1000, ended=False)])
+    assert view.stream_ids("r1") == ["1-0"]
+    assert view.hot("r1")["last_seq"] == "2"

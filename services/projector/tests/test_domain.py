@@ -289,7 +289,9 @@ def test_chain_defects_are_flagged_and_projection_goes_on() -> None:
     foreign = seal(log.events[3].model_copy(update={"tenant_id": "tenant-b"}), 4, log.events[2].hash or "")
     p = project(fold, foreign, open_payload(foreign))
     assert [problem_kind(x) for x in p.chain_problems] == ["TENANT_MISMATCH"]
-    assert all(w.values.get("tenant_id", "tenant-a") == "tenant-a" for w in p.writes)
+    # Recorded under the tenant it names, and nothing else of it applied to tenant-a's run.
+    assert [(w.table, w.values.get("tenant_id")) for w in p.writes] == [("events", "tenant-b"), ("runs", "tenant-a")]
+    assert p.fold.last_seq == 4 and p.fold.tool_calls == fold.tool_calls
 
 
 def test_wrong_prev_hash_is_flagged() -> None:

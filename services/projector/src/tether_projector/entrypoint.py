@@ -14,7 +14,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait
 from tether_messaging.errors import Unprocessable
 from tether_messaging.processor import Context, Inbound, TickContext, WorkDone
 from tether_projector.domain.errors import UnsealedEvent
-from tether_projector.handlers import BatchResult, Deps, project_batch
+from tether_projector.handlers import BatchResult, Deps, project_batch, publish_live
 from tether_projector.ports import LogEvent, ReadModelUnavailable
 
 log = structlog.get_logger("tether_projector")
@@ -67,4 +67,6 @@ class ProjectorProcessor:
         log.error("unexpected_work_done", key=done.key, run_id=done.run_id)
 
     def on_tick(self, ctx: TickContext) -> None:
-        pass
+        # Live updates a Redis outage left behind are retried even while no event arrives.
+        if self.deps.unpublished:
+            publish_live(self.deps)

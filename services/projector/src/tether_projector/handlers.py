@@ -19,6 +19,11 @@ from tether_projector.ports import LiveState, LiveUnavailable, LiveUpdate, LogEv
 log = structlog.get_logger("tether_projector")
 
 
+#: Most live updates kept for a republish while Redis is away; past it only each run's last
+#: update is kept (its hot state and active-runs entry heal, the stream entries between are lost).
+MAX_UNPUBLISHED = 100_000
+
+
 @dataclass(frozen=True)
 class Deps:
     """What projection needs; `live` is None when Redis is not to be touched (e.g. a rebuild)."""
@@ -26,6 +31,10 @@ class Deps:
     read_model: ReadModel
     live: LiveState | None
     metrics: ProjectorMetrics
+    #: Per run, in order, the live updates whose publish failed (their read-model rows and the
+    #: input offsets are committed, so nothing redelivers them): published again, before anything
+    #: newer, by the next publish that gets through (`publish_live`).
+    unpublished: dict[str, list[LiveUpdate]] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,16 +96,43 @@ def project_batch(events: Sequence[LogEvent], *, deps: Deps) -> BatchResult:
         log.warning("chain_problem", problem=problem)
 
     if deps.live is not None and sealed:
-        updates = [_live_update(ev, folds[ev.envelope.run_id]) for ev in sealed]
-        try:
-            deps.live.publish(updates)
-        except LiveUnavailable as exc:
-            # PostgreSQL is the source of truth for readers; live state catches up with the
-            # run's next event (or a redelivery). Failing here would stall the read model too.
-            m.live_failures.inc()
-            log.warning("live_publish_failed", error=str(exc), events=len(updates))
+        publish_live(deps, [_live_update(ev, folds[ev.envelope.run_id]) for ev in sealed])
     m.batch_seconds.observe(time.monotonic() - started)
     return result
+
+
+def publish_live(deps: Deps, updates: Sequence[LiveUpdate] = ()) -> bool:
+    """Publish `updates` after those an earlier failure left in `deps.unpublished`; False if Redis failed.
+
+    A failure does not fail the batch: PostgreSQL is the source of truth for readers, and failing
+    would stall the read model too. But the batch's offsets are committed, so nothing redelivers
+    these updates: they are kept and published again first by the next call that gets through (the
+    next batch, or the processor's tick). Otherwise an ended run whose last batch met a Redis outage
+    stayed "running" in its hot state and in the tenant's active-runs index. Republishing is
+    harmless: the stream refuses seqs it has, the hot state and index take no older state.
+    """
+    if deps.live is None:
+        return True
+    pending = [u for run_updates in deps.unpublished.values() for u in run_updates]
+    if not pending and not updates:
+        return True
+    try:
+        deps.live.publish([*pending, *updates])
+    except LiveUnavailable as exc:
+        deps.metrics.live_failures.inc()
+        for u in updates:
+            deps.unpublished.setdefault(u.run_id, []).append(u)
+        kept = sum(len(v) for v in deps.unpublished.values())
+        if kept > MAX_UNPUBLISHED:
+            for run_id, run_updates in deps.unpublished.items():
+                deps.unpublished[run_id] = run_updates[-1:]
+        log.warning("live_publish_failed", error=str(exc), events=len(updates),
+                    runs_unpublished=len(deps.unpublished))
+        return False
+    if pending:
+        log.info("live_republished", runs=len(deps.unpublished), events=len(pending))
+    deps.unpublished.clear()
+    return True
 
 
 def _live_update(ev: LogEvent, fold: RunFold) -> LiveUpdate:
@@ -105,7 +141,9 @@ def _live_update(ev: LogEvent, fold: RunFold) -> LiveUpdate:
         run_id=env.run_id,
         tenant_id=fold.tenant_id,
         seq=env.seq or 0,
-        entry=stream_fields(env, ev.payload),
+        # An event naming another tenant (TENANT_MISMATCH) gets no entry in this run's stream,
+        # which its tenant's followers read: it is in the events table under its own tenant.
+        entry=stream_fields(env, ev.payload) if env.tenant_id == fold.tenant_id else {},
         hot=hot_state(fold),
         hot_seq=fold.last_seq,
         created_at_ms=fold.created_at_ms,

@@ -58,6 +58,7 @@ class LiveUpdate:
     run_id: str
     tenant_id: str
     seq: int
+    #: The stream entry; empty = none (the event is not shown in this run's stream).
     entry: Mapping[str, str]
     hot: Mapping[str, str]
     #: Seq of the fold `hot` was taken from (at or after `seq`); hot state never moves backwards.
@@ -70,7 +71,9 @@ class LiveState(Protocol):
     """Redis: a run's hot-state hash, its live event stream and the tenant's active-run index.
 
     Every publish is idempotent: an entry whose seq is not above the stream's last is refused,
-    a hot state older than the stored one is ignored.
+    a hot state older than the stored one is ignored, and so is such an update's change to the
+    active-runs index and to the keys' lifetime (a late publish of an old owner after a rebalance
+    must not put an ended run back into the index).
     """
 
     def publish(self, updates: Sequence[LiveUpdate]) -> None:

@@ -66,7 +66,8 @@ class InMemoryReadModel:
 @dataclass
 class InMemoryLiveState:
     """LiveState fake with Redis's semantics: streams refuse entries at or below their last seq,
-    hot state only moves forwards, ended runs leave the tenant index and get the ended TTL."""
+    hot state only moves forwards (an older one touches neither index nor TTL), ended runs leave
+    the tenant index and get the ended TTL."""
 
     hot: dict[str, dict[str, str]] = field(default_factory=dict)
     streams: dict[str, list[tuple[str, dict[str, str]]]] = field(default_factory=dict)
@@ -81,11 +82,13 @@ class InMemoryLiveState:
         for u in updates:
             stream = self.streams.setdefault(u.run_id, [])
             top = int(stream[-1][0].split("-")[0]) if stream else 0
-            if u.seq > top:
+            if u.entry and u.seq > top:
                 stream.append((f"{u.seq}-0", dict(u.entry)))
             current = int(self.hot.get(u.run_id, {}).get("last_seq", "0"))
             if u.hot_seq > current:
                 self.hot[u.run_id] = dict(u.hot)
+            if u.hot_seq < current:
+                continue  # an older state than the stored one changes neither the index nor the TTL
             index = self.active.setdefault(u.tenant_id, {})
             if u.ended:
                 index.pop(u.run_id, None)

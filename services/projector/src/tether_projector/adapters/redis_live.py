@@ -17,7 +17,9 @@ import redis
 from tether_projector.ports import LiveUnavailable, LiveUpdate
 
 # One round trip per event, atomic: add the stream entry unless the stream already reached
-# this seq, raise the hot state only forwards, keep the tenant index and the keys' lifetime.
+# this seq (or there is none), raise the hot state only forwards, and keep the tenant index and
+# the keys' lifetime only from a hot state at least as new as the stored one: a late publish
+# of an old owner (a rebalance) must not re-add an ended run to the index or renew its keys.
 _PUBLISH = """
 local hot_key, stream_key, index_key = KEYS[1], KEYS[2], KEYS[3]
 local seq = tonumber(ARGV[1])
@@ -33,7 +35,7 @@ local added = 0
 local top = redis.call('XREVRANGE', stream_key, '+', '-', 'COUNT', 1)
 local top_seq = 0
 if #top > 0 then top_seq = tonumber(string.match(top[1][1], '^(%d+)')) end
-if seq > top_seq then
+if n_entry > 0 and seq > top_seq then
   local args = {'XADD', stream_key, 'MAXLEN', '~', maxlen, seq .. '-0'}
   for i = 9, first_hot - 1 do args[#args + 1] = ARGV[i] end
   redis.call(unpack(args))
@@ -45,16 +47,20 @@ if hot_seq > cur then
   for i = first_hot, #ARGV do h[#h + 1] = ARGV[i] end
   redis.call(unpack(h))
 end
-if ended then
-  redis.call('ZREM', index_key, run_id)
-else
-  redis.call('ZADD', index_key, created, run_id)
-  -- Runs that went quiet without an ending (their keys expired) leave the index too.
-  redis.call('ZREMRANGEBYSCORE', index_key, '-inf', '(' .. (tonumber(created) - ttl * 1000))
-  redis.call('EXPIRE', index_key, ttl)
+if hot_seq >= cur then
+  if ended then
+    redis.call('ZREM', index_key, run_id)
+  else
+    redis.call('ZADD', index_key, created, run_id)
+    -- Runs that went quiet without an ending (their keys expired) leave the index too.
+    redis.call('ZREMRANGEBYSCORE', index_key, '-inf', '(' .. (tonumber(created) - ttl * 1000))
+    redis.call('EXPIRE', index_key, ttl)
+  end
+  redis.call('EXPIRE', hot_key, ttl)
+  redis.call('EXPIRE', stream_key, ttl)
+elseif added == 1 and redis.call('TTL', stream_key) == -1 then
+  redis.call('EXPIRE', stream_key, ttl)  -- never leave a stream without a lifetime
 end
-redis.call('EXPIRE', hot_key, ttl)
-redis.call('EXPIRE', stream_key, ttl)
 return added
 """
 

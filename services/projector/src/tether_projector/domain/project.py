@@ -74,8 +74,10 @@ def is_duplicate(fold: RunFold | None, envelope: Envelope) -> bool:
 def project(fold: RunFold | None, envelope: Envelope, payload: AvroRecord) -> Projected:
     """The run's fold after `envelope` and the rows to write; `fold` (None for a new run) is not changed.
 
-    The caller skips duplicates first (`is_duplicate`). Events of types the projector does not
-    know are still recorded in the events table and advance last_seq.
+    The caller skips duplicates first (`is_duplicate`). Events of a type the projector has no
+    handler for are still recorded in the events table and advance last_seq. (An event this build
+    cannot decode at all — a schema fingerprint it does not know — never gets here: the live
+    projector stops on it and a rebuild fails, so it is projected after the upgrade, not skipped.)
     """
     advanced = advance(None if fold is None else fold.model_copy(deep=True), envelope, payload)
     return Projected(advanced.fold, [*advanced.writes, run_row(advanced.fold)], advanced.chain_problems)
@@ -94,6 +96,10 @@ def advance(fold: RunFold | None, envelope: Envelope, payload: AvroRecord) -> Pr
     if seq is None or prev_hash is None or hash_ is None:
         raise UnsealedEvent(envelope.event_id, envelope.run_id)
     problems = check_chain(fold, envelope)  # against the state before this event
+    # An event naming another tenant than its run's is recorded (under its own tenant) and flagged
+    # by the chain check, but it changes nothing of the run: applied, it would show that tenant's
+    # content (an approval, a call) as this run's tenant's.
+    foreign = fold is not None and envelope.tenant_id != fold.tenant_id
     if fold is None:
         fold = RunFold(run_id=envelope.run_id, tenant_id=envelope.tenant_id, created_at_ms=envelope.recorded_at_ms)
     if problems:
@@ -102,7 +108,7 @@ def advance(fold: RunFold | None, envelope: Envelope, payload: AvroRecord) -> Pr
         fold.chain_problems.extend(problems[: max(room, 0)])
 
     writes = [event_row(fold, envelope, payload)]
-    handler = HANDLERS.get(type(payload))
+    handler = None if foreign else HANDLERS.get(type(payload))
     if handler is not None:
         writes.extend(handler(payload, envelope, fold))
     fold.status = derive_status(fold)
@@ -171,12 +177,13 @@ def run_row(fold: RunFold) -> Upsert:
 
 
 def event_row(fold: RunFold, envelope: Envelope, payload: AvroRecord) -> Upsert:
-    """The events row: the log entry as recorded, with the payload decoded to JSON."""
+    """The events row: the log entry as recorded (under the tenant it names, which is the run's
+    unless the chain check found a TENANT_MISMATCH), with the payload decoded to JSON."""
     return Upsert(
         "events",
         (envelope.run_id, envelope.seq),
         {
-            "tenant_id": fold.tenant_id,
+            "tenant_id": envelope.tenant_id,
             "event_id": envelope.event_id,
             "event_type": envelope.event_type,
             "recorded_at_ms": envelope.recorded_at_ms,
