@@ -7,7 +7,6 @@ import re
 from dataclasses import dataclass, field, replace
 
 from jsonschema import Draft202012Validator, SchemaError
-from jsonschema.validators import validator_for
 
 from tether_contracts.records import AgentSpec, Caps, ModelRef, RiskClass, ToolSpec
 from tether_run_api.domain.errors import FieldViolation, InvalidArgument
@@ -200,14 +199,25 @@ def _json_object(text: str, path: str, limit: int, *, empty_ok: bool) -> tuple[d
     return value, []
 
 
+#: The only dialect a tool's argument schema may declare: the gateway validates every call's
+#: arguments as draft 2020-12 whatever `$schema` says (its decisions of old logs must re-derive),
+#: so a schema written for another draft would be enforced by rules its author did not mean
+#: (draft-07 `dependencies` silently ignored, tuple `items` refused as invalid).
+DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/schema"
+
+
 def check_args_schema(text: str, limit: int, path: str = "args_schema_json") -> list[FieldViolation]:
-    """Violations of a tool's argument schema: JSON, a valid JSON Schema (its own $schema or 2020-12), an object."""
+    """Violations of a tool's argument schema: JSON, a valid draft 2020-12 JSON Schema (no other
+    `$schema`: the gateway validates arguments as 2020-12), an object."""
     schema, v = _json_object(text, path, limit, empty_ok=False)
     if schema is None:
         return v
-    cls = validator_for(schema, default=Draft202012Validator)
+    if "$schema" in schema and schema["$schema"] not in (DRAFT_2020_12, DRAFT_2020_12 + "#"):
+        return [FieldViolation(path, f"declares $schema {str(schema['$schema'])[:200]!r}; the gateway validates "
+                                     f"arguments as JSON Schema draft 2020-12 only: declare {DRAFT_2020_12!r} or "
+                                     "no $schema, and write the schema in that draft")]
     try:
-        cls.check_schema(schema)
+        Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
         return [FieldViolation(path, f"is not a valid JSON Schema at {where}: {exc.message}")]
