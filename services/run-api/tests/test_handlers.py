@@ -28,6 +28,7 @@ from tether_run_api.domain.errors import (
     RunNotFound,
     SelfApproval,
     StaleArgsHash,
+    StreamHole,
     StreamResumeRequired,
 )
 from tether_run_api.domain.runs import RunLimits, SubmitRequest, new_run_id
@@ -430,7 +431,8 @@ def test_a_gap_the_read_model_never_fills_asks_the_client_to_resume(world: World
 def test_a_hole_in_the_read_model_ends_the_stream_at_it_instead_of_polling_for_ever(world: World) -> None:
     # A finished run whose seq 2 the projector never stored (dead-lettered), everything published before
     # the stream opened: the feed stays quiet, and the read model can never fill the hole (the projector's
-    # last_seq is past it), so the stream ends at it with STREAM_RESUME_REQUIRED, on every resume.
+    # last_seq is past it), so the stream ends at it with STREAM_HOLE (not the retryable
+    # STREAM_RESUME_REQUIRED), on every resume, naming the next stored seq.
     run_id = world.submit()
     log = _events(run_id, 5, terminal_at=5)
     world.read_model.add_events("acme", [log[0], *log[2:]])
@@ -438,14 +440,16 @@ def test_a_hole_in_the_read_model_ends_the_stream_at_it_instead_of_polling_for_e
     world.live.feeds[run_id] = [LiveEntry(e.seq, e) for e in log if e.seq != 2]
     for from_seq, sent_before in ((0, [1]), (2, [])):
         seen: list[int] = []
-        with pytest.raises(StreamResumeRequired) as err:
+        with pytest.raises(StreamHole) as err:
             for e in handlers.stream_run_events(
                 run_id, from_seq, principal=ALICE, read_model=world.read_model, ledger=world.ledger,
                 live=world.live, policy=handlers.StreamPolicy(page=10, block_ms=1, gap_wait_s=60.0, gap_poll_s=0.0),
                 is_active=lambda: world.live.reads < 1000, sleep=lambda s: None,
             ):
                 seen.append(e.seq)
-        assert seen == sent_before and err.value.metadata["next_seq"] == "2"
+        assert seen == sent_before
+        assert err.value.metadata == {"run_id": run_id, "next_seq": "2", "next_stored_seq": "3"}
+        assert err.value.retry_after_s is None
     assert world.live.reads == 0  # ended from the catch-up itself, not after polling
     assert [e.seq for e in _stream(world, run_id, 3)] == [3, 4, 5]  # past the hole the rest is served
 

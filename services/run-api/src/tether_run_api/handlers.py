@@ -47,6 +47,7 @@ from tether_run_api.domain.errors import (
     RunNotFound,
     SelfApproval,
     StaleArgsHash,
+    StreamHole,
     StreamResumeRequired,
     SubmitterUnknown,
     ToolNotFound,
@@ -539,9 +540,10 @@ def stream_run_events(
     (and dropped there if catch-up already sent it); a seq that arrives ahead of the next
     one owed makes the stream fetch the missing range from the read model first; a quiet
     feed makes it re-check the read model, so a lost live publish delays an event but
-    never loses it. Raises StreamResumeRequired if a seen seq stays missing from the read
-    model, or at once when the read model holds a later seq of the run but not the one owed
-    (a hole no projector write can fill); the client resumes from the next seq it is owed.
+    never loses it. Raises StreamResumeRequired (retryable: the client resumes from the next seq
+    it is owed) if a seen seq stays missing from the read model for gap_wait_s, and StreamHole
+    (permanent, with the next stored seq) at once when the read model holds a later seq of the
+    run but not the one owed, a hole no projector write can fill.
 
     A from_seq past the run's last event sends nothing and ends once the run has finished
     (at once if it already had): when the feed shows the terminal event below from_seq, or
@@ -569,8 +571,9 @@ def stream_run_events(
                     # A later seq stored and this one not (one query, one snapshot): the projector
                     # stores a run's events in seq order and never below its last_seq, so it moved
                     # past an event it did not store (docs/projector.md) and nothing will fill the
-                    # hole. Waiting would hold a stream slot for ever; end the call at the hole.
-                    raise StreamResumeRequired(run_id, gate.next_seq)
+                    # hole. Waiting would hold a stream slot for ever, and a retry at the same seq
+                    # would find the same hole: end the call there, saying where the log goes on.
+                    raise StreamHole(run_id, gate.next_seq, ev.seq)
                 gate.sent(ev)
                 yield ev
                 if gate.done:

@@ -21,6 +21,7 @@ class Category(str, Enum):
     ABORTED = "ABORTED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
+    DATA_LOSS = "DATA_LOSS"
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,8 @@ class BackendUnavailable(ApiError):
 
 
 class StreamResumeRequired(ApiError):
-    """The live stream could not be continued without a gap; resume from `next_seq`."""
+    """The live stream could not be continued without a gap for now (a seq seen live is not in the read
+    model yet); resume from `next_seq` after `retry_after_s`. A permanent hole is StreamHole."""
 
     category = Category.UNAVAILABLE
     reason = "STREAM_RESUME_REQUIRED"
@@ -321,6 +323,25 @@ class StreamResumeRequired(ApiError):
     def __init__(self, run_id: str, next_seq: int) -> None:
         super().__init__(
             f"event stream of run {run_id!r} must be resumed from seq {next_seq}", run_id=run_id, next_seq=next_seq
+        )
+
+
+class StreamHole(ApiError):
+    """The read model holds a later event of the run but never stored `next_seq` (the projector moved
+    past it): no wait fills it, so it is not retryable at next_seq. The client skips to
+    `next_stored_seq` (or investigates with `tether audit verify`)."""
+
+    category = Category.DATA_LOSS
+    reason = "STREAM_HOLE"
+
+    def __init__(self, run_id: str, next_seq: int, next_stored_seq: int) -> None:
+        super().__init__(
+            f"the read model of run {run_id!r} is missing seq {next_seq}"
+            + (f" (through {next_stored_seq - 1})" if next_stored_seq - 1 > next_seq else "")
+            + f"; the next stored event is seq {next_stored_seq}",
+            run_id=run_id,
+            next_seq=next_seq,
+            next_stored_seq=next_stored_seq,
         )
 
 
