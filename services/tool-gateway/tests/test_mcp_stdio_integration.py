@@ -156,11 +156,20 @@ def test_an_error_result_is_a_tool_error(env, demo):
     assert "'fail' reported an error" in outcome.detail and not outcome.retryable
 
 
-def test_a_server_that_crashes_mid_call_is_a_tool_error_with_its_stderr(env, demo):
-    outcome = env.run(stdio_tool(demo, "crash"), {"code": 3})
+def test_a_server_that_crashes_mid_call_is_a_tool_error_with_its_stderr_for_an_idempotent_tool(env, demo):
+    outcome = env.run(stdio_tool(demo, "crash").model_copy(update={"idempotent": True}), {"code": 3})
     assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR", outcome
     assert "exited (exit code 3) before answering" in outcome.detail
     assert "crashing on purpose" in outcome.detail  # the tail of its stderr says why
+
+
+def test_a_server_that_exits_after_reading_the_call_leaves_a_non_idempotent_calls_outcome_unknown(env, demo):
+    # The server had the call (the tool ran, and may have done its work) and exited before answering:
+    # reported as a failure, the model would do it again; a human decides, as after a crash mid-call.
+    outcome = env.run(stdio_tool(demo, "crash"), {"code": 3})
+    assert isinstance(outcome, Unknown), outcome
+    assert outcome.detail.startswith("TOOL_ERROR:") and "exited (exit code 3) before answering" in outcome.detail
+    assert "crashing on purpose" in outcome.detail and "not idempotent" in outcome.detail
 
 
 def test_a_secret_in_the_stderr_tail_is_redacted_before_the_tail_is_cut(env):
@@ -178,6 +187,30 @@ def test_a_secret_in_the_stderr_tail_is_redacted_before_the_tail_is_cut(env):
     assert "exited (exit code 3) before answering; stderr: " in outcome.detail, outcome.detail
     assert "[REDACTED:" in outcome.detail and filler in outcome.detail
     assert not any(SECRET[i:i + 8] in env.ledger_text() for i in range(len(SECRET) - 7))
+
+
+#: A bare MCP server (no SDK, the system python3) that answers tools/call with a JSON-RPC error.
+REFUSING_SERVER = """
+import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if msg.get("method") == "initialize":
+        result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "refusing", "version": "0"}}
+        print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}), flush=True)
+    elif msg.get("method") == "tools/call":
+        error = {"code": -32602, "message": "refused: bad arguments"}
+        print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "error": error}), flush=True)
+"""
+
+
+def test_a_call_the_server_refuses_with_a_json_rpc_error_is_a_failure_whatever_the_tool(env):
+    # The server's own answer to the call says it did not do it: a plain failure, no human needed.
+    server = StdioServer(command=("/usr/bin/python3", "-c", REFUSING_SERVER))
+    [spec] = tool_specs_from_mcp_stdio(server, [_declared("anything")], timeout_ms=CALL_TIMEOUT_MS)
+    outcome = env.run(spec, {})
+    assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR", outcome
+    assert "refused: bad arguments" in outcome.detail
 
 
 def test_garbage_on_stdout_is_an_invalid_result(env, demo):
@@ -199,9 +232,13 @@ def test_a_server_that_hangs_is_killed_at_the_timeout(env, demo):
 
 def test_a_huge_answer_is_oversized(env, demo):
     tool = stdio_tool(demo, "blob", max_response_bytes=64 * 1024)
-    outcome = env.run(tool, {"size": 2 * 1024 * 1024})
+    outcome = env.run(tool.model_copy(update={"idempotent": True}), {"size": 2 * 1024 * 1024})
     assert isinstance(outcome, Failed) and outcome.error_code == "OVERSIZED_RESULT", outcome
     assert "larger than 65536 bytes" in outcome.detail
+    # The answer to a call the server had cannot be read: for a non-idempotent tool, whether it did its
+    # work (or reported an error) is unknown.
+    outcome = env.run(tool, {"size": 2 * 1024 * 1024})
+    assert isinstance(outcome, Unknown) and outcome.detail.startswith("OVERSIZED_RESULT:"), outcome
 
 
 # -- what never starts a server --------------------------------------------------------------------

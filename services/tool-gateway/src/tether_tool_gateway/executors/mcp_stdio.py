@@ -57,6 +57,7 @@ from tether_tool_gateway.executors.mcp_tool import (
     OversizedAnswer,
     call_result,
     declared_tools,
+    server_refused,
     tool_specs,
     transport_error,
 )
@@ -117,6 +118,8 @@ class SandboxedStdio:
         self.process = process
         self.max_message_bytes = max_message_bytes
         self.problem: Exception | None = None
+        #: A tools/call request was written whole to the server's stdin: from then on it may act on it.
+        self.call_sent = False
 
     @asynccontextmanager
     async def streams(self) -> AsyncIterator[tuple[MemoryObjectReceiveStream[SessionMessage | Exception],
@@ -157,6 +160,9 @@ class SandboxedStdio:
                     async for message in write_reader:
                         data = message.message.model_dump_json(by_alias=True, exclude_unset=True) + "\n"
                         await _write_all(stdin, data.encode())
+                        if isinstance(message.message, mcp_types.JSONRPCRequest) and \
+                                message.message.method == "tools/call":
+                            self.call_sent = True
             except OSError:
                 # The server closed its stdin (or died): end the session rather than let a request wait.
                 await read_writer.aclose()
@@ -228,7 +234,18 @@ def _signal_name(number: int | None) -> str:
 
 
 def _session_error(exc: BaseException, channel: SandboxedStdio, end: SandboxExit | None, what: str) -> ToolError:
-    """Name what ended the session: the transport's finding first, then how the process ended."""
+    """Name what ended the session (the transport's finding first, then how the process ended), and
+    whether the call may have taken effect: once a tools/call went out, a session that ends without
+    the server's answer (it exited, its stdout ended, it wrote what cannot be read) leaves that unknown;
+    only the server's own JSON-RPC error answer is a definite refusal."""
+    error = _session_error_kind(exc, channel, end, what)
+    if channel.call_sent and not server_refused(exc):
+        error.effect_unknown = True
+    return error
+
+
+def _session_error_kind(exc: BaseException, channel: SandboxedStdio, end: SandboxExit | None,
+                        what: str) -> ToolError:
     if channel.problem is not None:
         return transport_error(channel.problem, what)
     if end is not None and end.setup_failed:

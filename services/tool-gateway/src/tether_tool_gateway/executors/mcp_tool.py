@@ -26,7 +26,8 @@ import httpx
 import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
-from mcp_types import CallToolResult
+from mcp.shared.exceptions import MCPError
+from mcp_types import CONNECTION_CLOSED, CallToolResult
 
 from tether_contracts.records import RiskClass, ToolSpec
 from tether_tool_gateway.domain.errors import ToolError, cut_text
@@ -145,6 +146,13 @@ def transport_error(exc: BaseException, what: str) -> ToolError:
     if isinstance(inner, (TimeoutError, httpx2.TimeoutException)):
         return ToolError("TIMEOUT", f"the MCP server did not answer {what} in time", retryable=True)
     return ToolError("TOOL_ERROR", f"MCP {what} failed: {type(inner).__name__}: {inner}", retryable=True)
+
+
+def server_refused(exc: BaseException) -> bool:
+    """Whether `exc` carries the server's own JSON-RPC error answer (a definite refusal of the request),
+    not the SDK's report that the connection closed before an answer came."""
+    refusal = _find(exc, MCPError)
+    return isinstance(refusal, MCPError) and refusal.code != CONNECTION_CLOSED
 
 
 def _jsonable(block: Any) -> Any:
