@@ -68,6 +68,7 @@ from tether_run_api.domain.tenancy import AdmissionGate, lane_limits
 from tether_run_api.domain.text import check_no_nul
 from tether_run_api.domain.trace import Trace, build_trace
 from tether_run_api.domain.views import ApprovalView, EventView, RunView, StepView, Submission
+from tether_run_api.domain.wire import RESPONSE_OVERHEAD, run_bytes, step_bytes, trace_event_bytes
 from tether_run_api.ports import (
     Catalog,
     CommandPublisher,
@@ -82,6 +83,8 @@ APPROVAL_STATUSES = ("PENDING", "APPROVED", "REJECTED", "EXPIRED", "WITHDRAWN")
 _HEX64 = frozenset("0123456789abcdef")
 _MAX_INT4 = 2**31 - 1
 _MAX_INT8 = 2**63 - 1
+#: gRPC's send limit of the server (api.server.start_server's max_send_message_bytes default).
+DEFAULT_MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 
 
 def _resume_key(token: str, listing: str, valid: Callable[[object], bool]) -> object | None:
@@ -474,8 +477,14 @@ def list_run_steps(
     principal: Principal,
     read_model: ReadModel,
     ledger: SubmitLedger,
+    max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
 ) -> tuple[list[StepView], str]:
-    """A page of a run's steps, oldest first."""
+    """A page of a run's steps, oldest first.
+
+    The page also ends before the steps would pass `max_bytes` (the response's send limit; steps
+    with large tool results): then it holds fewer than page_size steps and the next page token
+    resumes after the last one it holds (AIP-158). It holds at least one step.
+    """
     principal.require(ROLE_MEMBER)
     limit = page_size(size)
     listing = f"steps:{run_id}"
@@ -484,6 +493,12 @@ def list_run_steps(
     steps = read_model.list_steps(principal.tenant_id, run_id, after or 0, limit + 1)
     more = len(steps) > limit
     steps = steps[:limit]
+    budget, used = max_bytes - RESPONSE_OVERHEAD, 0
+    for i, step in enumerate(steps):
+        used += step_bytes(step)
+        if used > budget and i > 0:
+            steps, more = steps[:i], True
+            break
     return steps, encode_token(listing, steps[-1].step) if more else ""
 
 
@@ -494,20 +509,30 @@ def get_run_trace(
     read_model: ReadModel,
     ledger: SubmitLedger,
     max_events: int,
+    max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
 ) -> tuple[RunView, Trace]:
-    """The run and its trace (at most max_events events; truncated says if there were more)."""
+    """The run and its first events as a trace: at most max_events events, and no more than fit in
+    `max_bytes` (the response's send limit; runs with large tool results); truncated says if the
+    run has more. GetRunTrace has no continuation: the rest is read with StreamRunEvents from the
+    seq after the trace's last event."""
     principal.require(ROLE_MEMBER)
     view = _visible_run(principal.tenant_id, run_id, read_model, ledger)
     events: list[EventView] = []
+    budget, used = max_bytes - RESPONSE_OVERHEAD - run_bytes(view), 0
+    truncated = False
     seq = 1
-    while len(events) <= max_events:
+    while not truncated:
         page = read_model.events(principal.tenant_id, run_id, seq, min(1000, max_events + 1 - len(events)))
         if not page:
             break
-        events.extend(page)
+        for ev in page:
+            used += trace_event_bytes(ev)
+            if len(events) == max_events or used > budget:
+                truncated = True
+                break
+            events.append(ev)
         seq = page[-1].seq + 1
-    truncated = len(events) > max_events
-    return view, build_trace(events[:max_events], truncated=truncated)
+    return view, build_trace(events, truncated=truncated)
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,7 @@ def start_server(
             ("grpc.http2.max_pings_without_data", 0),
         ],
     )
-    gate = Gate(services)
+    gate = Gate(services, max_response_bytes=max_send_message_bytes)
     agent_service_pb2_grpc.add_AgentServiceServicer_to_server(AgentService(gate), server)
     tool_service_pb2_grpc.add_ToolServiceServicer_to_server(ToolService(gate), server)
     run_service_pb2_grpc.add_RunServiceServicer_to_server(RunService(gate), server)

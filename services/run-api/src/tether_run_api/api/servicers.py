@@ -35,6 +35,7 @@ from tether_run_api.domain.errors import (
     ApiError,
     MalformedRequest,
     RequestTooLarge,
+    ResponseTooLarge,
     TenantTooManyStreams,
     TooManyStreams,
     Unauthenticated,
@@ -96,12 +97,14 @@ class UndecodableRequest:
 
 
 class Gate:
-    """Authentication (with a short cache of key lookups) and the per-request size and shape check."""
+    """Authentication (with a short cache of key lookups), the per-request size and shape check, and the
+    response size check (`max_response_bytes`: the server's gRPC send limit)."""
 
     _MAX_CACHED = 10_000
 
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services, max_response_bytes: int = handlers.DEFAULT_MAX_RESPONSE_BYTES) -> None:
         self.services = services
+        self.max_response_bytes = max_response_bytes
         self._cache: dict[str, tuple[Principal | None, float]] = {}
         self._lock = threading.Lock()
         self._streams = threading.BoundedSemaphore(services.max_streams)
@@ -132,6 +135,14 @@ class Gate:
         size = request.ByteSize()
         if size > self.services.max_request_bytes:
             raise RequestTooLarge(size, self.services.max_request_bytes)
+
+    def check_response_size(self, method: str, response: Any) -> None:
+        """Refuse, with a reason, a response gRPC would fail to send (a bare RESOURCE_EXHAUSTED after the
+        call was counted OK). The queries cut their lists by bytes first; this catches what they cannot
+        (one step larger than the limit)."""
+        size = response.ByteSize()
+        if size > self.max_response_bytes:
+            raise ResponseTooLarge(method, size, self.max_response_bytes)
 
     def stream_slot(self, tenant_id: str) -> None:
         """Take one of the server's stream slots for the tenant; its own share is checked first, so a
@@ -175,7 +186,9 @@ def unary(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             principal = self.gate.authenticate(context)
             self.gate.check_size(request)
-            return fn(self, request, context, principal)
+            response = fn(self, request, context, principal)
+            self.gate.check_response_size(method, response)
+            return response
         except ApiError as err:
             code = err.category.value
             REFUSALS.labels(err.reason).inc()
@@ -329,7 +342,8 @@ class RunService(_Servicer, runs_grpc.RunServiceServicer):
     @unary
     def ListRunSteps(self, request, context, principal):  # noqa: N802
         rows, token = handlers.list_run_steps(request.run_id, request.page_size, request.page_token,
-                                              principal=principal, read_model=self.s.read_model, ledger=self.s.ledger)
+                                              principal=principal, read_model=self.s.read_model, ledger=self.s.ledger,
+                                              max_bytes=self.gate.max_response_bytes)
         return runs_pb.ListRunStepsResponse(steps=[convert.step_pb(s) for s in rows], next_page_token=token)
 
     @server_stream
@@ -354,7 +368,8 @@ class RunService(_Servicer, runs_grpc.RunServiceServicer):
     @unary
     def GetRunTrace(self, request, context, principal):  # noqa: N802
         run, trace = handlers.get_run_trace(request.run_id, principal=principal, read_model=self.s.read_model,
-                                            ledger=self.s.ledger, max_events=self.s.max_trace_events)
+                                            ledger=self.s.ledger, max_events=self.s.max_trace_events,
+                                            max_bytes=self.gate.max_response_bytes)
         return convert.trace_pb(run, trace)
 
 

@@ -131,6 +131,22 @@ class RequestTooLarge(ApiError):
         )
 
 
+class ResponseTooLarge(ApiError):
+    """The answer would be larger than the server may send (one item alone past the limit, where a
+    list cannot be cut smaller); retrying it unchanged cannot succeed."""
+
+    category = Category.RESOURCE_EXHAUSTED
+    reason = "RESPONSE_TOO_LARGE"
+
+    def __init__(self, method: str, size_bytes: int, limit_bytes: int) -> None:
+        super().__init__(
+            f"the response of {method} would be {size_bytes} bytes; the limit is {limit_bytes}",
+            method=method,
+            size_bytes=size_bytes,
+            limit_bytes=limit_bytes,
+        )
+
+
 class RateLimited(ApiError):
     """The tenant submits faster than its admission rate; retry after `retry_after_s`."""
 
