@@ -202,7 +202,8 @@ def test_privileges_are_dropped(runner: SandboxRunner) -> None:
 
 
 def test_fork_bomb_is_contained(runner: SandboxRunner) -> None:
-    limits = SandboxLimits(wall_seconds=4, cpu_seconds=3, max_processes=24)
+    # CPU beyond what the wall clock allows: the bomb ends at the wall clock, whatever the load.
+    limits = SandboxLimits(wall_seconds=4, cpu_seconds=60, max_processes=24)
     # The shell stays in the foreground: the sandbox ends when its first process does.
     result = runner.run(["/usr/bin/bash", "-c", ":(){ :|:& };:; sleep 30"], limits=limits)
     assert result.error_code is SandboxErrorCode.PROCESS_LIMIT
@@ -213,7 +214,7 @@ def test_fork_bomb_is_contained(runner: SandboxRunner) -> None:
 
 
 def test_python_fork_bomb_is_contained(runner: SandboxRunner) -> None:
-    limits = SandboxLimits(wall_seconds=4, cpu_seconds=3, max_processes=16)
+    limits = SandboxLimits(wall_seconds=4, cpu_seconds=60, max_processes=16)
     result = runner.run_script(
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
         interpreter=PY, limits=limits,
@@ -227,7 +228,7 @@ def test_one_sandboxs_fork_bomb_does_not_starve_another(runner: SandboxRunner) -
     # count is kept per user namespace too (ucounts), and each sandbox has its own, so two tenants'
     # sandboxes that each hold all the processes they may have leave a third its whole allowance.
     # On an older kernel they would share one count and this fails (docs/tools.md).
-    bomb = SandboxLimits(wall_seconds=20, cpu_seconds=10, max_processes=24)
+    bomb = SandboxLimits(wall_seconds=20, cpu_seconds=600, max_processes=24)
     bombs = [runner.start(["/usr/bin/bash", "-c", ":(){ :|:& };:; sleep 30"], limits=bomb) for _ in range(2)]
     try:
         end = time.monotonic() + 10
@@ -247,26 +248,28 @@ def test_one_sandboxs_fork_bomb_does_not_starve_another(runner: SandboxRunner) -
             b.close()
 
 
-def test_memory_bomb_hits_the_memory_limit(runner: SandboxRunner) -> None:
+def test_memory_bomb_is_stopped_by_the_address_space_limit(runner: SandboxRunner) -> None:
+    # Python gets a MemoryError and ends itself: a non-zero exit, its output kept, the limit a hint.
     limits = SandboxLimits(wall_seconds=10, memory_bytes=256 << 20)
     one_shot = runner.run_script("x = bytearray(2 << 30)\n", interpreter=PY, limits=limits)
-    assert one_shot.error_code is SandboxErrorCode.MEMORY_LIMIT
+    assert one_shot.error_code is SandboxErrorCode.NONZERO_EXIT
     assert one_shot.limit_hit == "memory"
     growing = runner.run_script("chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))\n",
                                 interpreter=PY, limits=limits)
-    assert growing.error_code is SandboxErrorCode.MEMORY_LIMIT
-    assert growing.exit_code == 1
+    assert (growing.error_code, growing.limit_hit) == (SandboxErrorCode.NONZERO_EXIT, "memory")
+    assert growing.exit_code == 1 and b"MemoryError" in growing.stderr
 
 
 def test_endless_loop_is_killed_at_the_cpu_limit(runner: SandboxRunner) -> None:
     result = runner.run_script("while True:\n    pass\n", interpreter=PY,
                                limits=SandboxLimits(wall_seconds=15, cpu_seconds=1))
     assert result.error_code is SandboxErrorCode.CPU_LIMIT
-    assert result.killed_by_signal == signal.SIGXCPU
+    # RLIMIT_CPU's SIGXCPU, or the parent's kill when its sample reaches the limit first.
+    assert result.killed_by_signal in (signal.SIGXCPU, signal.SIGKILL)
     assert not result.timed_out
 
 
-def test_ignoring_sigxcpu_still_ends_at_the_hard_cpu_limit(runner: SandboxRunner) -> None:
+def test_ignoring_sigxcpu_still_ends_at_the_cpu_limit(runner: SandboxRunner) -> None:
     script = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n"
     result = runner.run_script(script, interpreter=PY, limits=SandboxLimits(wall_seconds=15, cpu_seconds=1))
     assert result.error_code is SandboxErrorCode.CPU_LIMIT

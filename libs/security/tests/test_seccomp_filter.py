@@ -6,7 +6,12 @@ import struct
 
 import pytest
 
-from tether_security.sandbox.seccomp import DENIED_SYSCALLS_X86_64, SeccompUnsupported, build_filter
+from tether_security.sandbox.seccomp import (
+    DENIED_SYSCALLS_X86_64,
+    UNSUPPORTED_SYSCALLS_X86_64,
+    SeccompUnsupported,
+    build_filter,
+)
 
 
 def _decode(prog: bytes) -> list[tuple[int, int, int, int]]:
@@ -27,6 +32,14 @@ def test_every_denied_syscall_returns_eperm() -> None:
     for name, nr in DENIED_SYSCALLS_X86_64.items():
         i = next(i for i, (code, jt, jf, k) in enumerate(insns) if code == 0x15 and k == nr and (jt, jf) == (0, 1))
         assert insns[i + 1] == (0x06, 0, 0, 0x00050000 | 1), name
+
+
+def test_memory_no_address_space_counts_is_unsupported() -> None:
+    insns = _decode(build_filter("x86_64"))
+    assert set(UNSUPPORTED_SYSCALLS_X86_64) == {"memfd_create", "memfd_secret", "shmget"}
+    for name, nr in UNSUPPORTED_SYSCALLS_X86_64.items():
+        i = next(i for i, (code, jt, jf, k) in enumerate(insns) if code == 0x15 and k == nr and (jt, jf) == (0, 1))
+        assert insns[i + 1] == (0x06, 0, 0, 0x00050000 | 38), name  # ENOSYS
 
 
 def test_jumps_stay_inside_the_program() -> None:

@@ -14,15 +14,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tether_security.sandbox.process import SandboxedProcess, json_documents
+from tether_security.sandbox.process import (
+    CLK_TCK,
+    TICK_S,
+    SandboxedProcess,
+    json_documents,
+    sample_namespace,
+    sandbox_pid_namespace,
+)
 from tether_security.sandbox.seccomp import SeccompUnsupported, build_filter
 
 NOBODY = 65534
 SANDBOX_DIR = "/sandbox"
 _SCRIPT_PATH = "/run/tether/script"
 _READ_CHUNK = 65536
-# How often the parent samples the sandbox's task count and checks the wall clock.
-_TICK_S = 0.05
 
 # A minimal /etc: enough for `id`, libc name lookups and localhost, nothing from the host's accounts.
 _PASSWD = "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\nnobody:x:65534:65534:nobody:/sandbox:/usr/sbin/nologin\n"
@@ -80,8 +85,14 @@ class SandboxLimits:
     """Resource bounds for one sandboxed command. Sizes are bytes, times seconds."""
 
     wall_seconds: float = 30.0
+    # CPU of all the sandbox's processes together, sampled by the parent every TICK_S (which kills
+    # the sandbox, CPU_LIMIT); RLIMIT_CPU bounds each process too (SIGXCPU, then SIGKILL a second later).
     cpu_seconds: int = 10
-    memory_bytes: int = 1 << 30  # RLIMIT_AS: virtual address space, the only memory bound without cgroups
+    # RLIMIT_AS: each process's address space, the only memory bound without cgroups. Each process
+    # has its own, so a sandbox may hold up to max_processes × memory_bytes, plus what its tmpfs
+    # mounts hold (/tmp and /dev/shm: tmp_bytes each; /sandbox: work_bytes). Memory outside any
+    # address space (memfd_create, SysV shmget) is refused by the seccomp filter (docs/tools.md).
+    memory_bytes: int = 1 << 30
     max_processes: int = 64  # RLIMIT_NPROC: tasks (processes and threads) of the sandbox user
     max_open_files: int = 256
     max_file_bytes: int = 64 << 20  # RLIMIT_FSIZE: largest file the command may write
@@ -108,7 +119,10 @@ class SandboxResult:
     stdout_truncated: bool
     stderr_truncated: bool
     error_code: SandboxErrorCode | None
-    limit_hit: str | None  # "wall", "cpu", "memory", "processes", "output", "file_size" or None
+    # "wall", "cpu", "memory", "processes", "output", "file_size" or None: the limit hit when
+    # error_code names one; with NONZERO_EXIT or success, only a hint read from stderr (a
+    # MemoryError, a failed fork) that the command may have met a limit and handled it itself.
+    limit_hit: str | None
     duration_seconds: float
     cpu_seconds: float  # user+system CPU of the sandbox's processes, sampled every few tens of ms
     peak_tasks: int  # highest task count sampled inside the sandbox
@@ -173,34 +187,6 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def _sample_namespace(pid_ns_inode: int, cpu_ticks: dict[int, int]) -> int:
-    """Count tasks (threads included, as RLIMIT_NPROC counts them) in a PID namespace; note each process's CPU.
-
-    `cpu_ticks` keeps the last utime+stime seen per process, so CPU of processes that have since
-    exited still counts (processes that live and die between two samples are missed).
-    """
-    total = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{entry.name}/ns/pid").st_ino != pid_ns_inode:
-                continue
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # the task exited while we looked
-        # Fields after the parenthesised command name: state is field 3, num_threads field 20,
-        # utime/stime fields 14/15 (1-based, as in proc(5)).
-        rest = stat[stat.rfind(b")") + 2:].split()
-        total += int(rest[17])
-        cpu_ticks[int(entry.name)] = int(rest[11]) + int(rest[12])
-    return total
-
-
 class SandboxRunner:
     """Runs commands inside a bubblewrap sandbox; fails closed (SandboxUnavailable) rather than run unsandboxed.
 
@@ -210,7 +196,8 @@ class SandboxRunner:
     65534 both inside and outside the namespace (so RLIMIT_NPROC applies); an empty environment
     plus PATH, HOME and LANG; no capabilities, NoNewPrivs, a seccomp filter, a new session; and
     rlimits (CPU, address space, processes, open files, file size, no core dumps). The parent
-    enforces the wall clock and output caps and kills the whole tree. `run` blocks; call it from
+    enforces the wall clock, the output caps and the CPU of all the sandbox's processes together,
+    and kills the whole tree. `run` blocks; call it from
     a worker thread in async code. `start` runs a command in the same sandbox as a live process
     (`SandboxedProcess`: pipes to its stdin and stdout, the wall clock kept by a watcher thread).
     """
@@ -327,7 +314,8 @@ class SandboxRunner:
         fds.remove(launch.status_r)
         _close_all(fds)
         return SandboxedProcess(popen, status_fd=launch.status_r, argv=tuple(argv),
-                                wall_seconds=limits.wall_seconds, started=started)
+                                wall_seconds=limits.wall_seconds, started=started, cpu_seconds=limits.cpu_seconds,
+                                namespace_hops=2 if self._as_root else 1)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -508,6 +496,7 @@ class SandboxRunner:
         cpu_ticks: dict[int, int] = {}
         timed_out = False
         output_exceeded = False
+        cpu_exceeded = False
         wait_status: int | None = None
         killed = False
 
@@ -536,10 +525,16 @@ class SandboxRunner:
                     kill_tree()
                 if pid_ns is None and json_documents(bytes(status_buf)):
                     # bwrap has forked the sandbox's init: the wrapper chain is stable now.
-                    pid_ns = _sandbox_pid_namespace(proc.pid, hops=2 if self._as_root else 1)
+                    pid_ns = sandbox_pid_namespace(proc.pid, hops=2 if self._as_root else 1)
                 if pid_ns is not None and wait_status is None:
-                    peak_tasks = max(peak_tasks, _sample_namespace(pid_ns, cpu_ticks))
-                for key, _ in sel.select(timeout=_TICK_S):
+                    peak_tasks = max(peak_tasks, sample_namespace(pid_ns, cpu_ticks))
+                    # RLIMIT_CPU bounds each process alone (every fork gets its own allowance):
+                    # the sandbox's limit is on the CPU of all its processes together.
+                    if not killed and sum(cpu_ticks.values()) / CLK_TCK >= limits.cpu_seconds:
+                        cpu_exceeded = True
+                        killed = True
+                        kill_tree()
+                for key, _ in sel.select(timeout=TICK_S):
                     stream = key.data
                     fileobj = key.fileobj
                     fd = fileobj if isinstance(fileobj, int) else fileobj.fileno()
@@ -595,10 +590,10 @@ class SandboxRunner:
             exit_code = exit_doc
 
         # Sampled, not from wait4: bwrap exits without reaping the namespace's init, so rusage misses it.
-        cpu = sum(cpu_ticks.values()) / _CLK_TCK
+        cpu = sum(cpu_ticks.values()) / CLK_TCK
         limit_hit, error_code = _classify(
             limits=limits, exit_code=exit_code, sig=sig, timed_out=timed_out, output_exceeded=output_exceeded,
-            cpu=cpu, peak_tasks=peak_tasks, stderr=bytes(err),
+            cpu_exceeded=cpu_exceeded, cpu=cpu, peak_tasks=peak_tasks, stderr=bytes(err),
         )
         return SandboxResult(
             exit_code=exit_code, killed_by_signal=sig, timed_out=timed_out,
@@ -609,46 +604,35 @@ class SandboxRunner:
         )
 
 
-def _sandbox_pid_namespace(root_pid: int, *, hops: int) -> int | None:
-    """Inode of the sandbox's PID namespace: that of bwrap's init, `hops` first-children below `root_pid`.
-
-    bwrap's own JSON status cannot say: it runs inside the wrapper's PID namespace and cannot
-    see itself in the host's /proc.
-    """
-    pid = root_pid
-    try:
-        for _ in range(hops):
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                children = f.read().split()
-            if not children:
-                return None
-            pid = int(children[0])
-        return os.stat(f"/proc/{pid}/ns/pid").st_ino
-    except OSError:
-        return None
-
-
 def _classify(*, limits: SandboxLimits, exit_code: int | None, sig: int | None, timed_out: bool,
-              output_exceeded: bool, cpu: float, peak_tasks: int,
+              output_exceeded: bool, cpu_exceeded: bool, cpu: float, peak_tasks: int,
               stderr: bytes) -> tuple[str | None, SandboxErrorCode | None]:
-    """Name the limit that ended the command, most specific cause first."""
+    """Name the limit that ended the command, most specific cause first.
+
+    Stderr text is only a hint: a command that exited by itself, even non-zero, keeps
+    NONZERO_EXIT (its output is a result) with the pattern in `limit_hit`. Only a command a
+    signal ended, or one the parent saw reach a limit, is reported as having hit it.
+    """
     if output_exceeded:
         return "output", SandboxErrorCode.OUTPUT_LIMIT
-    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and not timed_out and cpu >= limits.cpu_seconds):
+    if cpu_exceeded or sig == signal.SIGXCPU or (sig == signal.SIGKILL and not timed_out and cpu >= limits.cpu_seconds):
         return "cpu", SandboxErrorCode.CPU_LIMIT
     if sig == signal.SIGXFSZ:
         return "file_size", SandboxErrorCode.OUTPUT_LIMIT
-    memory = bool(_MEMORY_PATTERNS.search(stderr))
-    processes = peak_tasks >= limits.max_processes or bool(_FORK_PATTERNS.search(stderr))
-    failed = timed_out or sig is not None or exit_code != 0
-    if not failed:
-        return ("memory" if memory else "processes" if processes else None), None
-    if memory:
-        return "memory", SandboxErrorCode.MEMORY_LIMIT
-    if processes:
+    tasks_at_limit = peak_tasks >= limits.max_processes
+    memory_said = bool(_MEMORY_PATTERNS.search(stderr))
+    fork_said = bool(_FORK_PATTERNS.search(stderr))
+    hint = "memory" if memory_said else "processes" if tasks_at_limit or fork_said else None
+    if not (timed_out or sig is not None or exit_code != 0):
+        return hint, None
+    if tasks_at_limit:
         return "processes", SandboxErrorCode.PROCESS_LIMIT
     if timed_out:
         return "wall", SandboxErrorCode.TIMEOUT
     if sig is not None:
+        if memory_said:
+            return "memory", SandboxErrorCode.MEMORY_LIMIT
+        if fork_said:
+            return "processes", SandboxErrorCode.PROCESS_LIMIT
         return None, SandboxErrorCode.SIGNALED
-    return None, SandboxErrorCode.NONZERO_EXIT
+    return hint, SandboxErrorCode.NONZERO_EXIT

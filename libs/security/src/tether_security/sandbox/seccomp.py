@@ -74,6 +74,15 @@ DENIED_SYSCALLS_X86_64: dict[str, int] = {
     "fspick": 433,
     "mount_setattr": 442,
 }
+# Memory that no per-process limit counts: a memfd's or a SysV segment's pages belong to no
+# address space once unmapped (RLIMIT_AS sees none of it, RSS neither), so one process could hold
+# any amount of host memory under a small memory_bytes. ENOSYS, as a kernel without them would
+# answer, so a program falls back (to a file in the size-capped /tmp or /dev/shm) rather than die.
+UNSUPPORTED_SYSCALLS_X86_64: dict[str, int] = {
+    "shmget": 29,
+    "memfd_create": 319,
+    "memfd_secret": 447,
+}
 _CLONE = 56
 _CLONE3 = 435
 _IOCTL = 16
@@ -113,6 +122,8 @@ def build_filter(machine: str | None = None) -> bytes:
     ]
     for nr in DENIED_SYSCALLS_X86_64.values():
         prog += _deny_if_equal(nr, eperm)
+    for nr in UNSUPPORTED_SYSCALLS_X86_64.values():
+        prog += _deny_if_equal(nr, _RET_ERRNO | errno.ENOSYS)
     # clone3 passes its flags in memory the filter cannot read: ENOSYS makes libc fall back to clone.
     prog += _deny_if_equal(_CLONE3, _RET_ERRNO | errno.ENOSYS)
     prog += [
