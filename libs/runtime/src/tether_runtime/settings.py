@@ -70,6 +70,27 @@ class ServiceSettings(BaseSettings):
     )
 
 
+class CapCeilingSettings(BaseSettings):
+    """The service-wide ceilings on the caps a run may ask for, read from the budget service's names
+    (``TETHER_BUDGET_CEILING_MAX_STEPS``, ...) whatever the subclass's prefix: the budget enforces
+    them (CAPS_ABOVE_CEILING) and run-api refuses an agent or a submit above them up front, so both
+    must read the same values. Mixed into BudgetSettings and RunApiSettings."""
+
+    ceiling_max_steps: int = Field(1_000, ge=1, validation_alias=_infra("TETHER_BUDGET_CEILING_MAX_STEPS"),
+                                   description="Highest max_steps a run may have: the budget rejects a run above it "
+                                   "(CAPS_ABOVE_CEILING), run-api refuses such an agent or submit (INVALID_ARGUMENT).")
+    ceiling_max_wall_clock_ms: int = Field(7 * 24 * 3_600_000, ge=1,
+                                           validation_alias=_infra("TETHER_BUDGET_CEILING_MAX_WALL_CLOCK_MS"),
+                                           description="Highest max_wall_clock_ms (budget and run-api, as above).")
+    ceiling_max_tokens: int = Field(50_000_000, ge=1, validation_alias=_infra("TETHER_BUDGET_CEILING_MAX_TOKENS"),
+                                    description="Highest max_tokens (budget and run-api, as above).")
+    ceiling_max_cost_usd_micros: int = Field(1_000_000_000, ge=1,
+                                             validation_alias=_infra("TETHER_BUDGET_CEILING_MAX_COST_USD_MICROS"),
+                                             description="Highest max_cost_usd_micros (budget and run-api, as above).")
+    ceiling_max_tool_calls: int = Field(10_000, ge=0, validation_alias=_infra("TETHER_BUDGET_CEILING_MAX_TOOL_CALLS"),
+                                        description="Highest max_tool_calls (budget and run-api, as above).")
+
+
 class LoopServiceSettings(ServiceSettings):
     """Settings of a service on the run loop (`tether_messaging.loop`): the base fields plus the
     loop's knobs, read under the subclass's prefix like the rest. run-api, which has no loop,

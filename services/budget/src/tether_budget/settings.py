@@ -5,22 +5,18 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from tether_runtime.settings import LoopServiceSettings
+from tether_runtime.settings import CapCeilingSettings, LoopServiceSettings
 
 
-class BudgetSettings(LoopServiceSettings):
+class BudgetSettings(LoopServiceSettings, CapCeilingSettings):
     """Everything `python -m tether_budget` reads from the environment."""
 
     model_config = SettingsConfigDict(env_prefix="TETHER_BUDGET_", extra="ignore", populate_by_name=True)
 
     declare_topics: bool = Field(True, description="Create missing topics at start-up (idempotent).")
 
-    # -- ceilings on the caps a run may ask for -------------------------------------------
-    ceiling_max_steps: int = Field(1_000, ge=1, description="Highest max_steps a run may have.")
-    ceiling_max_wall_clock_ms: int = Field(7 * 24 * 3_600_000, ge=1, description="Highest max_wall_clock_ms.")
-    ceiling_max_tokens: int = Field(50_000_000, ge=1, description="Highest max_tokens.")
-    ceiling_max_cost_usd_micros: int = Field(1_000_000_000, ge=1, description="Highest max_cost_usd_micros.")
-    ceiling_max_tool_calls: int = Field(10_000, ge=0, description="Highest max_tool_calls.")
+    # The ceilings on the caps a run may ask for (ceiling_max_*, TETHER_BUDGET_CEILING_*) come from
+    # CapCeilingSettings, which run-api reads too.
 
     # -- loop detection (safety notes §C4) ------------------------------------------------
     loop_repeat_n: int = Field(4, ge=2, description="R1: identical (action, result) steps in a row.")

@@ -22,6 +22,7 @@ from tether_run_api.adapters.postgres import PostgresStore, migrate, open_pool
 from tether_run_api.adapters.read_model import PostgresReadModel
 from tether_run_api.api.servicers import Services
 from tether_run_api.domain.admission import SubmitRateLimiter
+from tether_run_api.domain.catalog import CapCeilings, CatalogLimits
 from tether_run_api.domain.runs import RunLimits
 from tether_run_api.domain.tenancy import AdmissionGate
 from tether_run_api.settings import RunApiSettings
@@ -89,6 +90,13 @@ def build_app(settings: RunApiSettings, *, stop: threading.Event | None = None) 
         codec=envelope_codec(settings.schema_registry_url),
     )
     closers.append(publisher.close)
+    ceilings = CapCeilings(
+        max_steps=settings.ceiling_max_steps,
+        max_wall_clock_ms=settings.ceiling_max_wall_clock_ms,
+        max_tokens=settings.ceiling_max_tokens,
+        max_cost_usd_micros=settings.ceiling_max_cost_usd_micros,
+        max_tool_calls=settings.ceiling_max_tool_calls,
+    )
     services = Services(
         keys=store,
         catalog=store,
@@ -98,7 +106,8 @@ def build_app(settings: RunApiSettings, *, stop: threading.Event | None = None) 
         publisher=publisher,
         limiter=SubmitRateLimiter(settings.submit_rate_per_s, settings.submit_burst),
         partitioning=handlers.Partitioning(settings.partitions),
-        run_limits=RunLimits(max_goal_chars=settings.max_goal_chars),
+        catalog_limits=CatalogLimits(ceilings=ceilings),
+        run_limits=RunLimits(max_goal_chars=settings.max_goal_chars, ceilings=ceilings),
         stream_policy=handlers.StreamPolicy(
             block_ms=settings.stream_block_ms, gap_wait_s=settings.stream_gap_wait_s
         ),

@@ -60,6 +60,7 @@ from tether_run_api.domain.runs import (
     build_submit,
     check_request_id,
     check_run_id,
+    effective_caps,
     request_fingerprint,
     validate_submit,
 )
@@ -317,13 +318,18 @@ def submit_run(
         agent = catalog.get_agent(tenant, req.agent_id, req.agent_version or None)
         if agent is None:
             raise AgentNotFound(req.agent_id, req.agent_version)
+        # An agent stored above the ceilings (before they were lowered; the request may only tighten
+        # its caps): the budget would reject the run CAPS_ABOVE_CEILING, so refuse it now, naming the cap.
+        above = limits.ceilings.violations(effective_caps(agent.spec.caps, req.caps), "caps")
+        if above:
+            raise InvalidArgument(above)
         if admission is not None:
             admission.admit(tenant, policy, now_ms)
         tools = catalog.latest_enabled_tools(tenant, list(agent.spec.tool_allowlist))
         grants = catalog.grants_for(tenant, principal.principal_id)
         partition = partition_for(tenant, run_id, partitioning.partitions, policy.lanes(partitioning.partitions))
-        limits = lane_limits(policy, tenant, partition, partitioning.partitions)
-        command = build_submit(principal, req, agent.spec, [t.spec for t in tools], grants, limits)
+        lane = lane_limits(policy, tenant, partition, partitioning.partitions)
+        command = build_submit(principal, req, agent.spec, [t.spec for t in tools], grants, lane)
         envelope = make_envelope(
             command,
             run_id=run_id,

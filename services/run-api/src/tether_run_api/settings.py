@@ -7,15 +7,19 @@ import os
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from tether_runtime.settings import ServiceSettings
+from tether_runtime.settings import CapCeilingSettings, ServiceSettings
 
 MIB = 1024 * 1024
 SELF_APPROVAL_NAME = "TETHER_FORBID_SELF_APPROVAL"
 OLD_SELF_APPROVAL_NAME = "TETHER_RUN_API_FORBID_SELF_APPROVAL"
 
 
-class RunApiSettings(ServiceSettings):
-    """Everything the run-api's composition root needs; read once, in tether_run_api.__main__."""
+class RunApiSettings(ServiceSettings, CapCeilingSettings):
+    """Everything the run-api's composition root needs; read once, in tether_run_api.__main__.
+
+    The caps ceilings (ceiling_max_*) are the budget service's, read from its TETHER_BUDGET_CEILING_*
+    names, so an agent or a submit the budget would reject CAPS_ABOVE_CEILING is refused here first.
+    """
 
     model_config = SettingsConfigDict(env_prefix="TETHER_RUN_API_", extra="ignore", populate_by_name=True)
 

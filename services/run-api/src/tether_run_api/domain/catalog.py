@@ -31,8 +31,31 @@ MAX_TOOL_TIMEOUT_MS = 15 * 60 * 1000
 
 
 @dataclass(frozen=True)
+class CapCeilings:
+    """The budget service's ceilings on a run's caps (settings TETHER_BUDGET_CEILING_*, same defaults):
+    a run above any of them is rejected CAPS_ABOVE_CEILING, so run-api refuses such caps up front."""
+
+    max_steps: int = 1_000
+    max_wall_clock_ms: int = 7 * 24 * 3_600_000
+    max_tokens: int = 50_000_000
+    max_cost_usd_micros: int = 1_000_000_000
+    max_tool_calls: int = 10_000
+
+    def violations(self, caps: Caps, path: str) -> list[FieldViolation]:
+        """One violation per cap above its ceiling."""
+        out = []
+        for name in ("max_steps", "max_wall_clock_ms", "max_tokens", "max_cost_usd_micros", "max_tool_calls"):
+            value, ceiling = getattr(caps, name), getattr(self, name)
+            if value > ceiling:
+                out.append(FieldViolation(f"{path}.{name}", f"{value} is above the service ceiling {ceiling} "
+                                                           "(the budget service would reject every run)",
+                                          reason="CAPS_ABOVE_CEILING"))
+        return out
+
+
+@dataclass(frozen=True)
 class CatalogLimits:
-    """Size caps of catalog entries (settings)."""
+    """Size caps of catalog entries, and the caps ceilings an agent must stay under (settings)."""
 
     max_instructions_chars: int = 64_000
     max_description_chars: int = 4_096
@@ -40,6 +63,7 @@ class CatalogLimits:
     max_executor_config_bytes: int = 16 * 1024
     max_constraints_bytes: int = 16 * 1024
     max_allowlist: int = 128
+    ceilings: CapCeilings = CapCeilings()
 
 
 @dataclass(frozen=True)
@@ -156,6 +180,14 @@ def validate_agent(draft: AgentDraft, limits: CatalogLimits, *, path: str = "age
     v += _caps_violations(draft.caps, f"{path}.caps")
     if not 0.0 <= draft.compaction_threshold <= 1.0:
         v.append(FieldViolation(f"{path}.compaction_threshold", "must be in (0, 1] (0 = default 0.8)"))
+    caps = Caps(
+        max_steps=draft.caps.max_steps,
+        max_wall_clock_ms=draft.caps.max_wall_clock_ms,
+        max_tokens=draft.caps.max_tokens,
+        max_cost_usd_micros=draft.caps.max_cost_usd_micros,
+        max_tool_calls=draft.caps.max_tool_calls or DEFAULT_MAX_TOOL_CALLS,
+    )
+    v += limits.ceilings.violations(caps, f"{path}.caps")
     if v:
         raise InvalidArgument(v)
     return AgentSpec(
@@ -169,13 +201,7 @@ def validate_agent(draft: AgentDraft, limits: CatalogLimits, *, path: str = "age
             context_window_tokens=draft.context_window_tokens or DEFAULT_CONTEXT_WINDOW,
         ),
         tool_allowlist=list(draft.tool_allowlist),
-        caps=Caps(
-            max_steps=draft.caps.max_steps,
-            max_wall_clock_ms=draft.caps.max_wall_clock_ms,
-            max_tokens=draft.caps.max_tokens,
-            max_cost_usd_micros=draft.caps.max_cost_usd_micros,
-            max_tool_calls=draft.caps.max_tool_calls or DEFAULT_MAX_TOOL_CALLS,
-        ),
+        caps=caps,
         compaction_threshold=draft.compaction_threshold or DEFAULT_COMPACTION_THRESHOLD,
     )
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from tether_contracts.records import AgentSpec, Caps, SubmitRun, TenantLimits, ToolSpec
 from tether_run_api.domain.auth import Principal
-from tether_run_api.domain.catalog import CapsDraft, canonical_json, check_agent_id, check_tool_name
+from tether_run_api.domain.catalog import CapCeilings, CapsDraft, canonical_json, check_agent_id, check_tool_name
 from tether_run_api.domain.errors import FieldViolation, InvalidArgument
 from tether_run_api.domain.text import check_no_nul
 
@@ -19,9 +19,10 @@ _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 @dataclass(frozen=True)
 class RunLimits:
-    """Caps on what a submit may carry (settings)."""
+    """Caps on what a submit may carry, and the caps ceilings a run must stay under (settings)."""
 
     max_goal_chars: int = 32_000
+    ceilings: CapCeilings = CapCeilings()
 
 
 @dataclass(frozen=True)
