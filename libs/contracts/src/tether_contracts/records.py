@@ -448,6 +448,7 @@ class RunAccepted(AvroRecord):
     tenant_grants: list[str] = Field(default_factory=lambda: [], description="Tools granted by the tenant at submit time.")
     delegated_scope: list[str] | None = Field(None, description="Copied from SubmitRun: tools a delegating principal scoped this run to (null = not delegated). The gateway intersects it with tenant grants and the agent allowlist.")
     deadline_ms: int = Field(description="Wall-clock deadline, ms since the epoch.")
+    loop_guard_version: int | None = Field(None, description="The loop guard's rules version the budget judges this run by, from acceptance to its end (tether_budget.domain.loopguard.LOOP_RULES; docs/loop-detection.md). An auditor re-derives the run's loop warnings and stops under it. Null: recorded before the version was (the rules are unknown).")
 
 
 class RunQueued(AvroRecord):

@@ -6,7 +6,9 @@ lost their first records. The budget's decisions are replayed with its
 own domain (`tether_budget.domain.decisions`), fed the run's recorded inputs in sequence order
 at the time the budget recorded its decisions; the gateway's with `GatewayAudit`; approval
 decisions against the pending request they decide. What the log alone cannot show is said so
-(`Finding.check == "note"`), not reported as a mismatch.
+(`Finding.check == "note"`), not reported as a mismatch. Loop warnings and stops are re-derived
+under the loop guard rules version the run's RunAccepted names (`loop_guard_version`), as the
+gateway's decisions under the `policy_version` they name.
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ from tether_approval.domain.decisions import SYSTEM_APPROVER, ApprovalPolicy
 from tether_budget.domain.decisions import AdmissionPolicy, Decide, Plan, Retention, admit, cancel, fold, tick
 from tether_budget.domain.errors import ProtocolViolation
 from tether_budget.domain.ledger import Ledger, Reason, RunStatus
-from tether_budget.domain.loopguard import LoopGuard
+from tether_budget.domain.loopguard import (
+    CURRENT_RULES,
+    LOOP_RULES,
+    Detection,
+    LoopGuard,
+    LoopGuardState,
+    LoopRule,
+    StepSignature,
+    Verdict,
+)
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
     ApprovalDecided,
@@ -36,6 +47,7 @@ from tether_contracts.records import (
     RunRejected,
     RunTerminated,
     StepDeferred,
+    StepGranted,
     SubmitRun,
 )
 from tether_messaging.chain import verify_chain
@@ -219,11 +231,66 @@ def verify_log(envelopes: Iterable[Envelope], config: AuditConfig | None = None,
 # -- budget ------------------------------------------------------------------------------------------
 
 
-def _comparable(payload: AvroRecord, *, approximate_clock: bool) -> Any:
+def _comparable(payload: AvroRecord, *, approximate_clock: bool, loop_unknown: bool = False) -> Any:
     data = payload.to_avro()
     if approximate_clock:
         _drop_clock(data)
+    if loop_unknown:
+        # The loop guard's words depend on the rules that judged the run (already noted as unknown).
+        if isinstance(payload, StepGranted):
+            data["loop_warning"] = None
+        elif isinstance(payload, RunTerminated) and payload.reason_code == Reason.LOOP_DETECTED:
+            data["report"]["detail"] = None
     return data
+
+
+LoopOutcome = tuple[Verdict, str | None]
+
+
+def _loop_outcome(payloads: Iterable[AvroRecord]) -> LoopOutcome:
+    """What the loop guard said among the budget decisions one input triggered: a stop (with its
+    detail), a warning on the next grant, or nothing."""
+    for payload in payloads:
+        if isinstance(payload, RunTerminated) and payload.reason_code == Reason.LOOP_DETECTED:
+            return Verdict.TERMINATE, payload.report.detail
+        if isinstance(payload, StepGranted) and payload.loop_warning is not None:
+            return Verdict.WARN, payload.loop_warning
+    return Verdict.CONTINUE, None
+
+
+def _describe(outcome: LoopOutcome) -> str:
+    verdict, text = outcome
+    if verdict is Verdict.TERMINATE:
+        return f"stops the run ({text})"
+    if verdict is Verdict.WARN:
+        return f"warns ({text})"
+    return "neither warns nor stops"
+
+
+class _LoggedVerdict(LoopGuard):
+    """The loop guard of a run whose rules version is unknown, made to give the verdict its log
+    records: the step is folded into the guard's memory by the current rules, the verdict is the
+    log's, so the replay goes on from the state the budget was in."""
+
+    def __init__(self, guard: LoopGuard, verdict: Verdict) -> None:
+        super().__init__(guard.config)
+        self.verdict = verdict
+
+    def observe(self, state: LoopGuardState, step: StepSignature) -> tuple[Verdict, Detection | None]:
+        warned, fired = state.warned, state.fired
+        verdict, detection = super().observe(state, step)
+        if verdict is self.verdict:
+            return verdict, detection
+        state.warned, state.fired = warned, fired
+        if self.verdict is Verdict.CONTINUE:
+            return Verdict.CONTINUE, None
+        # Its words are not compared (the log's come from unknown rules); the memory needs a detection.
+        stand_in = detection or Detection(rule=LoopRule.REPEAT, step=step.step, count=0, action=step.label)
+        if self.verdict is Verdict.WARN:
+            state.warned = stand_in
+        else:
+            state.warned, state.fired = warned or stand_in, stand_in
+        return self.verdict, stand_in
 
 
 def _drop_clock(data: Any) -> None:
@@ -249,6 +316,9 @@ class BudgetReplay:
     findings: list[Finding] = field(default_factory=list)
     ledger: Ledger | None = None
     waited: bool = False
+    #: The run's RunAccepted names no loop guard rules version this audit has: its loop verdicts
+    #: are re-derived with the current rules, and one that differs is a note, not a mismatch.
+    loop_rules_unknown: bool = False
 
     def check(self, events: list[Event]) -> list[Finding]:
         i = 0
@@ -291,7 +361,28 @@ class BudgetReplay:
         if not plan.entries:
             self._finding(env, f"appended although the budget drops it ({plan.dropped})")
             return i + 1
+        if self.loop_rules_unknown:
+            logged = _loop_outcome(p for e, p in self._decisions(events, i + 1))
+            derived = _loop_outcome(e.payload for e in plan.entries if isinstance(e, Decide))
+            if derived != logged:
+                # Which rules judged the run is not recorded: follow the log's verdict, check the rest.
+                self._note(env, f"the loop guard's verdict differs: the log {_describe(logged)}; the current "
+                                f"rules (v{CURRENT_RULES}) {_describe(derived)}. The run's loop guard rules version "
+                                "is unknown (its RunAccepted names none: recorded before versions were), so "
+                                "this is not a mismatch; the replay follows the log's verdict")
+                self.ledger = before
+                plan = fold(self.ledger, payload, event_id=env.event_id, tenant_id=env.tenant_id,
+                            guard=_LoggedVerdict(self.config.guard, logged[0]), now_ms=now_ms)
         return self._compare(events, i + 1, plan)
+
+    @staticmethod
+    def _decisions(events: list[Event], i: int) -> list[Event]:
+        """The budget decisions in the log from index i (those the preceding input triggered)."""
+        found: list[Event] = []
+        while i < len(events) and events[i][0].producer == BUDGET:
+            found.append(events[i])
+            i += 1
+        return found
 
     def _unprompted(self, events: list[Event], i: int) -> int:
         """A budget decision no appended input precedes: admission, cancel or the wall-clock timer."""
@@ -300,13 +391,25 @@ class BudgetReplay:
             submit = SubmitRun(request_id=payload.request_id, principal_id=payload.principal_id, goal=payload.goal,
                                agent=payload.agent, tools=payload.tools, caps=payload.caps,
                                tenant_grants=payload.tenant_grants, delegated_scope=payload.delegated_scope)
+            rules = payload.loop_guard_version
+            if rules is not None and rules not in LOOP_RULES:
+                self._finding(env, f"loop guard rules version {rules} is unknown to the audit (it knows "
+                                   f"{', '.join(f'v{v}' for v in sorted(LOOP_RULES))}); loop verdicts are replayed "
+                                   f"with v{CURRENT_RULES} and one that differs is a note")
+            self.loop_rules_unknown = rules not in LOOP_RULES
             try:
                 self.ledger, plan = admit(submit, run_id=self.run_id, tenant_id=env.tenant_id, partition=0,
                                           event_id=env.event_id, now_ms=env.recorded_at_ms,
-                                          policy=self.config.admission)
+                                          policy=self.config.admission,
+                                          loop_rules=CURRENT_RULES if self.loop_rules_unknown else rules)
             except ProtocolViolation as err:
                 self._finding(env, f"RunAccepted although the budget refuses the submit: {err}")
                 return len(events)  # nothing of the run can be re-derived without its admission
+            if self.loop_rules_unknown:
+                # Replayed with the current rules, which the log does not name: its own word stands.
+                plan.entries = [Decide(e.payload.model_copy(update={"loop_guard_version": rules}), e.what)
+                                if isinstance(e, Decide) and isinstance(e.payload, RunAccepted) else e
+                                for e in plan.entries]
             return self._compare(events, i, plan)
         if isinstance(payload, RunRejected) and self.ledger is None:
             self._note(env, "the rejected submit is not in the run log; its admission is not re-derived")
@@ -359,8 +462,8 @@ class BudgetReplay:
                 continue
             if env.event_id != derived_id(self.run_id, *entry.what):
                 self._finding(env, f"event_id {env.event_id} is not the derived id of {entry.what}")
-            a = _comparable(want, approximate_clock=self.waited)
-            b = _comparable(got, approximate_clock=self.waited)
+            a = _comparable(want, approximate_clock=self.waited, loop_unknown=self.loop_rules_unknown)
+            b = _comparable(got, approximate_clock=self.waited, loop_unknown=self.loop_rules_unknown)
             if a != b:
                 diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
                 self._finding(env, f"{type(got).__name__} differs in {', '.join(diff)}: the inputs give "

@@ -27,9 +27,13 @@ from tether_budget.domain.ledger import (
     capped_error,
 )
 from tether_budget.domain.loopguard import (
+    CURRENT_RULES,
+    LOOP_RULES,
     Detection,
     LoopGuard,
+    LoopGuardState,
     StepSignature,
+    UnknownLoopRules,
     Verdict,
     call_signature,
 )
@@ -169,15 +173,20 @@ def admit(
     now_ms: int,
     policy: AdmissionPolicy,
     tenant: TenantLedger | None = None,
+    loop_rules: int = CURRENT_RULES,
 ) -> tuple[Ledger, Plan]:
     """Admit a new run (RunAccepted + StepGranted(1)), queue it behind the tenant's running runs
     (RunQueued), or refuse it (RunRejected).
 
     `tenant` is the tenant's ledger on this lane when the submit carries tenant limits (it is
-    updated in place); without it the run is admitted as far as its own caps allow.
+    updated in place); without it the run is admitted as far as its own caps allow. `loop_rules`
+    is the loop guard's rules version the run is judged by to its end (an auditor passes the
+    version the run's RunAccepted names).
     """
     if ":" in run_id:
         raise ProtocolViolation("BAD_RUN_ID", f"run id {run_id!r} must not contain ':'")
+    if loop_rules not in LOOP_RULES:
+        raise UnknownLoopRules(loop_rules)
     ledger = Ledger(
         run_id=run_id,
         tenant_id=tenant_id,
@@ -185,6 +194,7 @@ def admit(
         request_id=submit.request_id,
         partition=partition,
         submit_event_id=event_id,
+        loop=LoopGuardState(rules=loop_rules),
     )
     problem = _admission_problem(submit, policy)
     if problem is not None:
@@ -273,6 +283,7 @@ def _accept(ledger: Ledger, submit: SubmitRun, now_ms: int, tenant: TenantLedger
         tenant_grants=submit.tenant_grants,
         delegated_scope=submit.delegated_scope,
         deadline_ms=ledger.deadline_ms,
+        loop_guard_version=ledger.loop.rules,
     )
     return Plan([Decide(accepted, ("RunAccepted",))]).extend(_grant_or_stop(ledger, now_ms, tenant))
 
@@ -549,6 +560,7 @@ def _finish_call(ledger: Ledger, call: CallEntry, status: CallStatus, *, observa
         observation=observation,
         error=error,
         pollable=ledger.tools.get(call.tool_name, ToolFacts()).pollable,
+        rules=ledger.loop.rules,
     ) if ledger.active else None
     ledger.update_call(call, status=status, error=error, signature=signature, args_json=None)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tether_budget.domain.loopguard import CallSignature, LoopGuardState, call_signature
+from tether_budget.domain.loopguard import CURRENT_RULES, CallSignature, LoopGuardState, call_signature
 from tether_contracts.records import Caps, Usage
 
 GENESIS_HASH = "0" * 64  # prev_hash of a run's first event (tether_messaging.chain.GENESIS_HASH)
@@ -141,6 +141,8 @@ def _from_full_texts(data: dict[str, Any]) -> dict[str, Any]:
     unsigned = data.get("status", RunStatus.ACTIVE) == RunStatus.ACTIVE and data.get("deferred_step") is None
     current_ids = current.get("call_ids", []) if isinstance(current, dict) and unsigned else []
     tools = data.get("tools") or {}
+    loop = data.get("loop")
+    rules = loop.get("rules", 1) if isinstance(loop, dict) else getattr(loop, "rules", 1)
 
     def pollable(tool_name: str) -> bool:
         facts = tools.get(tool_name)
@@ -158,7 +160,7 @@ def _from_full_texts(data: dict[str, Any]) -> dict[str, Any]:
                 if call["status"] in TERMINAL and call_id in current_ids and call.get("signature") is None:
                     call["signature"] = call_signature(
                         call["tool_name"], args, observation=observation or "", error=call.get("error"),
-                        pollable=pollable(call["tool_name"]),
+                        pollable=pollable(call["tool_name"]), rules=rules,
                     )
         calls[call_id] = call
     return calls
@@ -264,6 +266,18 @@ class Ledger(BaseModel):
         if isinstance(data, dict) and "holds_tenant_slot" not in data:
             data = {**data, "holds_tenant_slot": bool(data.get("tenant_tracked"))
                     and data.get("status", RunStatus.ACTIVE) == RunStatus.ACTIVE}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loop_rules_of_old_checkpoint(cls, data: Any) -> Any:
+        # Written before the loop guard's rules were versioned: the run was signed and judged by
+        # the rules then released (v1), and keeps them; a queued run has signed nothing yet and
+        # takes the current rules when it is accepted.
+        loop = data.get("loop") if isinstance(data, dict) else None
+        if isinstance(loop, dict) and "rules" not in loop:
+            queued = data.get("status", RunStatus.ACTIVE) == RunStatus.QUEUED
+            data = {**data, "loop": {**loop, "rules": CURRENT_RULES if queued else 1}}
         return data
 
     @model_validator(mode="before")

@@ -6,6 +6,10 @@ number or quantity is a new call), `o` = hash of the normalised result (timestam
 measured durations, epochs named as times replaced: docs/loop-detection.md), `e` = error class
 (a denial is `denied:<reason>`); for a text-only turn `m` = hash of the assistant text. The rules
 run after every step; the first detection yields a one-time warning, any later detection terminates.
+
+What counts as volatile is versioned (`LOOP_RULES`): a run is judged from start to end by the rules
+it was accepted under (`LoopGuardState.rules`, named on its RunAccepted), so an upgrade does not
+change a running run's verdicts and an auditor replays each run by the rules it names.
 """
 
 from __future__ import annotations
@@ -97,26 +101,52 @@ def _duration(m: re.Match[str]) -> str:
     return m.group()
 
 
-# Volatile substrings that change between otherwise identical observations, applied in order:
-# whole date-times first, so their digits are never read as bare numbers.
-_VOLATILE_PATTERNS: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]], ...] = (
-    (re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", re.I), "<uuid>"),
-    (
-        re.compile(
-            r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?\b", re.I
+Replacement = tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]]
+
+
+def _volatile_patterns(epoch: Replacement, duration: Replacement, named_ids: bool) -> tuple[Replacement, ...]:
+    """Volatile substrings that change between otherwise identical observations, applied in order:
+    whole date-times first, so their digits are never read as bare numbers. Only the pieces the
+    rules versions disagree on are parameters."""
+    return (
+        (re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", re.I), "<uuid>"),
+        (
+            re.compile(
+                r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?\b", re.I
+            ),
+            "<time>",
         ),
-        "<time>",
-    ),
-    (re.compile(r"\b\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?\b"), "<time>"),
-    (_EPOCH, _epoch),
-    (_DURATION, _duration),
-    # A process id is a number ("Process started" / "Process exited" are states, not ids).
-    (re.compile(r"\b(?:pid|process)[=: ]+\d+\b", re.I), "<id>"),
-    (re.compile(r"\b(?:request[_ -]?id|trace[_ -]?id)[=: ]+\w+", re.I), "<id>"),
-    # A value named for being new on every call (as the keys below): a retry with a fresh nonce is a repeat.
-    (re.compile(r"\b(?:nonce|etag|span[_ -]?id)\s*[=:]\s*[\"']?[\w-]+", re.I), "<id>"),
-    (re.compile(r"\b0x[0-9a-f]{6,}\b", re.I), "<addr>"),
-)
+        (re.compile(r"\b\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?\b"), "<time>"),
+        epoch,
+        duration,
+        # A process id is a number ("Process started" / "Process exited" are states, not ids).
+        (re.compile(r"\b(?:pid|process)[=: ]+\d+\b", re.I), "<id>"),
+        (re.compile(r"\b(?:request[_ -]?id|trace[_ -]?id)[=: ]+\w+", re.I), "<id>"),
+        # A value named for being new on every call (as the keys below): a retry with a fresh nonce is a repeat.
+        *([(re.compile(r"\b(?:nonce|etag|span[_ -]?id)\s*[=:]\s*[\"']?[\w-]+", re.I), "<id>")] if named_ids else []),
+        (re.compile(r"\b0x[0-9a-f]{6,}\b", re.I), "<addr>"),
+    )
+
+
+# The loop guard's rules versions: what each replaces in an observation's text. A version, once
+# released, never changes (runs recorded under it are judged and audited by it); a change of
+# normalisation is a new version, and `CURRENT_RULES` the one new runs get (docs/loop-detection.md).
+LOOP_RULES: dict[int, tuple[Replacement, ...]] = {
+    # Until bd39882: every number with a time unit was a duration and every 10/13/16/19-digit
+    # number starting with 1 an epoch ("retry in 5 min" = "retry in 30 min"); text nonces were kept.
+    1: _volatile_patterns((_EPOCH, "<epoch>"), (_DURATION, "<duration>"), named_ids=False),
+    # Since bd39882: only measured durations and epochs named as times; `nonce=`/`ETag:`/`span-id:` are ids.
+    2: _volatile_patterns((_EPOCH, _epoch), (_DURATION, _duration), named_ids=True),
+}
+CURRENT_RULES = 2
+
+
+class UnknownLoopRules(ValueError):
+    """A rules version this code does not have (a run recorded by a newer budget)."""
+
+    def __init__(self, rules: int) -> None:
+        super().__init__(f"loop guard rules version {rules} is unknown (known: {sorted(LOOP_RULES)})")
+        self.rules = rules
 
 # JSON object keys whose values are volatile by name.
 _VOLATILE_KEYS = frozenset(
@@ -170,15 +200,19 @@ def _drop_volatile_keys(value: Any) -> Any:
     return value
 
 
-def normalise_observation(text: str) -> str:
-    """The observation with volatile keys and substrings removed, so reruns compare equal."""
+def normalise_observation(text: str, rules: int = CURRENT_RULES) -> str:
+    """The observation with volatile keys and substrings removed (as rules version `rules` says), so
+    reruns compare equal."""
+    patterns = LOOP_RULES.get(rules)
+    if patterns is None:
+        raise UnknownLoopRules(rules)
     try:
         parsed = json.loads(text)
     except ValueError:
         normalised = text
     else:
         normalised = json.dumps(_drop_volatile_keys(parsed), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    for pattern, replacement in _VOLATILE_PATTERNS:
+    for pattern, replacement in patterns:
         normalised = pattern.sub(replacement, normalised)
     return " ".join(normalised.split())
 
@@ -207,10 +241,12 @@ def call_signature(
     observation: str,
     error: str | None = None,
     pollable: bool = False,
+    rules: int = CURRENT_RULES,
 ) -> CallSignature:
-    """Sign a finished tool call: `observation` is the result JSON, or the error text for failures."""
+    """Sign a finished tool call: `observation` is the result JSON, or the error text for failures;
+    `rules` is the run's loop guard rules version."""
     action = canonical_action(tool_name, args_json)
-    normalised = normalise_observation(observation)
+    normalised = normalise_observation(observation, rules)
     return CallSignature(
         action=_hash(action),
         label=_excerpt(action),
@@ -350,6 +386,12 @@ class LoopGuardState(BaseModel):
     )
     warned: Detection | None = None
     fired: Detection | None = None
+    rules: int = Field(
+        CURRENT_RULES,
+        description="The rules version (`LOOP_RULES`) the run is judged by, fixed when it is accepted: the "
+        "signatures in this memory were made by it. A checkpoint written before versions existed is v1 "
+        "(`Ledger`).",
+    )
 
     @field_validator("seen_pairs", mode="before")
     @classmethod
