@@ -16,6 +16,20 @@ def test_a_config_with_secret_handles_passes():
     assert executor_config_problems("mcp", {"url": URL, "tool": "search"}) == []
 
 
+@pytest.mark.parametrize("kind", ["http", "mcp"])
+def test_a_url_whose_path_holds_a_secret_handle_passes(kind):
+    # A Slack incoming webhook: its token path comes from the secret store at execution time.
+    config = {"url": "https://hooks.slack.com/services/secret://slack/incident_hook", "tool": "t"}
+    assert executor_config_problems(kind, config) == []
+
+
+@pytest.mark.parametrize("url", ["https://secret://slack/hook/x", "https://hooks.example/a?to=secret://slack/hook",
+                                 "https://hooks.example/a#secret://slack/hook"])
+def test_a_secret_handle_elsewhere_in_the_url_is_refused(url):
+    [problem] = executor_config_problems("http", {"url": url})
+    assert "only in its path" in problem
+
+
 @pytest.mark.parametrize("headers", [{"Authorization": "Bearer abc"},
                                      {"X-Token": "sk-proj-a8f7d9s6f5a4s3d2f1g0h9j8k7l6"}])
 def test_a_secret_value_in_a_header_is_refused(headers):

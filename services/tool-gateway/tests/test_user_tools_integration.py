@@ -30,6 +30,11 @@ from tether_tool_gateway.mcp_testing import start_mcp_server
 pytestmark = pytest.mark.integration
 
 SECRET = "tok-3b9f0c1e7a5d42c8b6e1f09a7c3d5e2b"
+#: A webhook's token path (a Slack incoming webhook's T.../B.../<token>), the service's only credential.
+HOOK = "T0A1B2C3D/B0E4F5G6H/aBcDeFgHiJkLmNoPqRsTuVwX"
+#: Values that would take the URL elsewhere than the registered host and path, were they spliced in.
+BAD_HOOKS = {"bad/query": "T0A1B2C3D?to=elsewhere-aBcDeFgHiJk", "bad/up": "../../admin/aBcDeFgHiJkLmNoP",
+             "bad/fragment": "T0A1B2C3D#aBcDeFgHiJkLmNoPqRsT"}
 GW = Owner("tool-gateway-0", "boot-1")
 ARGS_SCHEMA = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
 
@@ -58,7 +63,8 @@ def env(pg_schema):
     blobs = PostgresBlobStore(pool, schema=pg_schema.name)
     blobs.ensure_schema()
     redactor = Redactor()
-    secrets = SecretRegistry(StaticSecretProvider({"team/token": SECRET}), redactor)
+    secrets = SecretRegistry(StaticSecretProvider({"team/token": SECRET, "team/hook": HOOK,
+                                                   **BAD_HOOKS}), redactor)
     runner = ToolRunner(ledger=ledger, executors={"http": HttpToolExecutor(), "mcp": McpToolExecutor()},
                         blobs=blobs, owner=GW, secrets=secrets, redactor=redactor)
 
@@ -189,6 +195,38 @@ def test_a_secret_header_reaches_the_service_and_nothing_else(env, http, capsys)
     assert SECRET not in json.dumps(logs, default=str)
     out = capsys.readouterr()
     assert SECRET not in out.out and SECRET not in out.err
+
+
+def test_a_webhook_token_path_from_a_secret_reaches_the_service_and_nothing_else(env, http, capsys):
+    # The registered URL holds the handle; the gateway splices the value in at execution time only.
+    tool = http_tool(f"{http.url}/services/secret://team/hook")
+    assert HOOK not in tool.executor_config_json
+    with structlog.testing.capture_logs() as logs:
+        _, outcome = env.run(tool, {"q": "x"})
+    assert isinstance(outcome, Completed), outcome
+    [record] = http.records()
+    assert record["path"] == f"/services/{HOOK}"  # it reached the service
+    # The service echoed its path back; the redactor scrubbed the value before it was recorded.
+    assert HOOK not in outcome.result_json and "[REDACTED" in outcome.result_json
+    assert HOOK not in env.ledger_text()
+    assert HOOK not in json.dumps(logs, default=str)
+    out = capsys.readouterr()
+    assert HOOK not in out.out and HOOK not in out.err
+
+
+@pytest.mark.parametrize("name", sorted(BAD_HOOKS))
+def test_a_secret_in_the_url_path_may_only_extend_the_path(env, http, name):
+    _, outcome = env.run(http_tool(f"{http.url}/services/secret://{name}"), {"q": "x"})
+    assert isinstance(outcome, Failed) and outcome.error_code == "EXECUTOR_UNAVAILABLE", outcome
+    assert "may only extend the path" in outcome.detail
+    assert BAD_HOOKS[name] not in outcome.detail and "aBcDeFgHiJk" not in outcome.detail
+    assert http.records() == []  # never contacted
+
+
+def test_a_url_secret_that_is_not_configured_is_named_not_guessed(env, http):
+    _, outcome = env.run(http_tool(f"{http.url}/services/secret://team/missing"), {"q": "x"})
+    assert isinstance(outcome, Failed) and outcome.error_code == "EXECUTOR_UNAVAILABLE"
+    assert "secret://team/missing" in outcome.detail and http.records() == []
 
 
 def pieces(secret: str, n: int = 8) -> set[str]:

@@ -21,7 +21,8 @@ _CREDENTIAL_PARAMS = frozenset({"apikey", "key", "token", "accesstoken", "sig", 
                                 "clientsecret", "auth", "passwd", "pwd", "accesskey", "privatekey", "authtoken"})
 #: Parameter names ending so also carry one (`X-Amz-Signature`, `X-Amz-Security-Token`, `sas_token`, `x-api-key`).
 _CREDENTIAL_SUFFIXES = ("signature", "token", "secret", "password", "apikey", "credential")
-_USE_A_HANDLE = "send it in a header whose value is a secret://<name> handle instead"
+_USE_A_HANDLE = ("send it in a header whose value is a secret://<name> handle instead, or put one in the url's "
+                 "path (a webhook's token path)")
 
 
 def _url_problems(config: dict[str, Any]) -> list[str]:
@@ -33,6 +34,9 @@ def _url_problems(config: dict[str, Any]) -> list[str]:
         return ["'url' must be an absolute http(s) URL"]
     if parts.username or parts.password:
         return ["'url' must not carry credentials; use a header with a secret:// handle"]
+    if len(_HANDLE.findall(url)) != len(_HANDLE.findall(parts.path)):
+        return ["a secret:// handle may stand in the 'url' only in its path (e.g. "
+                "https://hooks.example/services/secret://team/hook)"]
     problems = _url_credential_problems(url, parts)
     if problems:
         return problems
@@ -69,7 +73,7 @@ def _secret_in_url(url: str, parts: SplitResult, values: list[str]) -> bool:
         return False
     # The entropy rules read a URL as one base64 run ('/' is a base64 character), so an ordinary path
     # with an id in it would pass for a secret: judge each path segment and query value alone.
-    return any(_secret_looking(unquote(piece)) for piece in [*parts.path.split("/"), *values])
+    return any(_secret_looking(unquote(piece)) for piece in [*_HANDLE.sub("", parts.path).split("/"), *values])
 
 
 def _names_a_credential(name: str) -> bool:

@@ -1,7 +1,9 @@
 """Executor for executor_kind 'http': a tenant's own tool service, called with an HTTP POST of the arguments.
 
 Config (ToolSpec.executor_config_json):
-  url                  the endpoint (http or https); the validated arguments are POSTed to it as JSON
+  url                  the endpoint (http or https); the validated arguments are POSTed to it as JSON. Its
+                       path may hold a `secret://name` handle (a webhook's token path), resolved at
+                       execution time: the value only extends the path (same host, query and fragment)
   headers              extra headers; values may hold `secret://name` handles, resolved at execution time
   allow_hosts          hosts the tool may contact (default: the url's host); constraints' egress rules add none
   max_response_bytes   the response body is read as a stream and the call fails past this (default 1 MiB)
@@ -19,12 +21,21 @@ import json
 import time
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import httpx
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential_jitter
 
 from tether_tool_gateway.domain.errors import EgressDenied, InvalidToolResult, ToolError, head_of
-from tether_tool_gateway.executors.builtin import _config, _headers, _tls, body_chunks, http_transport_error
+from tether_tool_gateway.executors.builtin import (
+    _HANDLE,
+    _config,
+    _headers,
+    _tls,
+    body_chunks,
+    http_transport_error,
+    resolve_secret_handles,
+)
 from tether_tool_gateway.executors.http_deadline import call_deadline, deadline_transport
 from tether_tool_gateway.ports import ExecutionRequest, SecretProvider
 
@@ -34,8 +45,9 @@ DEFAULT_MAX_ATTEMPTS = 3
 _DEADLINE_MARGIN_S = 0.25
 
 
-def endpoint(config: dict[str, Any], key: str = "url") -> httpx.URL:
-    """The configured endpoint, checked to be an absolute http(s) URL on an allowed host."""
+def endpoint(config: dict[str, Any], key: str = "url", secrets: SecretProvider | None = None) -> httpx.URL:
+    """The configured endpoint, checked to be an absolute http(s) URL on an allowed host, with the
+    `secret://` handles in its path resolved (`secret_path`)."""
     raw = config.get(key)
     if not isinstance(raw, str):
         raise ToolError("EXECUTOR_UNAVAILABLE", f"executor config has no {key!r}")
@@ -46,7 +58,38 @@ def endpoint(config: dict[str, Any], key: str = "url") -> httpx.URL:
     if url.scheme not in ("http", "https") or not url.host:
         raise ToolError("EXECUTOR_UNAVAILABLE", f"executor config {key!r} must be an absolute http(s) URL")
     check_egress(url, allowed_hosts(config, url))
+    if _HANDLE.search(raw):
+        return secret_path(url, raw, key, secrets)
     return url
+
+
+def secret_path(url: httpx.URL, raw: str, key: str, secrets: SecretProvider | None) -> httpx.URL:
+    """`raw` with its path's `secret://` handles resolved: for a service that takes its credential only
+    in the URL (a Slack or Discord webhook), so the registered config, and the run log it is copied
+    into, hold the handle, never the value. The value may only extend the path: the resolved URL keeps
+    `url`'s scheme, host, port, query and fragment and the path up to the handle, and has no '..'
+    segment (a value with '?', '#' or a host of its own is refused). No error names the value."""
+    parts = urlsplit(raw)
+    if len(_HANDLE.findall(raw)) != len(_HANDLE.findall(parts.path)):
+        raise ToolError("EXECUTOR_UNAVAILABLE", f"executor config {key!r}: a secret:// handle may stand only in "
+                                                "the url's path")
+    if secrets is None:
+        raise ToolError("EXECUTOR_UNAVAILABLE", f"executor config {key!r} holds a secret:// handle, which this "
+                                                "caller cannot resolve")
+    resolved_raw = resolve_secret_handles({key: raw}, secrets)[key]
+    refused = ToolError("EXECUTOR_UNAVAILABLE", f"executor config {key!r}: a secret in the url's path may only "
+                                                "extend the path (no '?', '#' or '..' in its value)")
+    try:
+        resolved = httpx.URL(resolved_raw)
+    except httpx.InvalidURL:
+        raise refused from None  # its message would quote the URL, secret and all
+    now = urlsplit(resolved_raw)
+    prefix = parts.path[:_HANDLE.search(parts.path).start()]
+    if ((now.scheme, now.netloc, now.query, now.fragment) != (parts.scheme, parts.netloc, parts.query, parts.fragment)
+            or (resolved.scheme, resolved.host, resolved.port) != (url.scheme, url.host, url.port)
+            or not now.path.startswith(prefix) or ".." in map(unquote, now.path.split("/"))):
+        raise refused
+    return resolved
 
 
 def allowed_hosts(config: dict[str, Any], url: httpx.URL) -> set[str]:
@@ -107,7 +150,7 @@ class HttpToolExecutor:
 
     def execute(self, request: ExecutionRequest, secrets: SecretProvider) -> Any:
         config = _config(request)
-        url = endpoint(config)
+        url = endpoint(config, secrets=secrets)
         allow = allowed_hosts(config, url)
         cap = int(config.get("max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES))
         attempts = int(config.get("max_attempts", DEFAULT_MAX_ATTEMPTS)) if request.tool.idempotent else 1

@@ -1,7 +1,8 @@
 """Executor for executor_kind 'mcp': a tool of a Model Context Protocol server (streamable HTTP), via the `mcp` SDK.
 
 Config (ToolSpec.executor_config_json):
-  url           the server's streamable HTTP endpoint (e.g. http://tools.internal:8000/mcp)
+  url           the server's streamable HTTP endpoint (e.g. http://tools.internal:8000/mcp); its path may hold
+                a `secret://name` handle, resolved at execution time (http_tool.secret_path)
   tool          the tool's name on the server (Tether's name may differ: it must match [a-z][a-z0-9_]*)
   headers       extra headers; values may hold `secret://name` handles, resolved at execution time
   allow_hosts   hosts the tool may contact (default: the url's host)
@@ -164,7 +165,7 @@ class McpToolExecutor:
 
     def execute(self, request: ExecutionRequest, secrets: SecretProvider) -> Any:
         config = _config(request)
-        url = endpoint(config)
+        url = endpoint(config, secrets=secrets)
         remote = config.get("tool")
         if not isinstance(remote, str) or not remote:
             raise ToolError("EXECUTOR_UNAVAILABLE", "executor config has no 'tool' (the server's tool name)")
