@@ -303,6 +303,12 @@ class LoopConfig:
     #: What an unexpected exception in a handler does: dead-letter the record and carry on
     #: (one run suffers, the partition's other runs keep moving), or fail the process.
     handler_errors: Literal["dead-letter", "fail"] = "dead-letter"
+    #: Reasons of decode failures (`SerdeError.reason`) that stop the loop (FatalLoopError, the
+    #: batch not committed) instead of dead-lettering the record, as a schema registry outage
+    #: does: for a consumer that must not lose a record it will read after an upgrade (the
+    #: projector on UNKNOWN_FINGERPRINT: a newer producer's schema). The record stays at the
+    #: group's offset, its lag shows, and a restart reads it again. Empty: dead-letter them all.
+    fail_on_decode_errors: frozenset[str] = frozenset()
     #: Most input the consumer fetches ahead of the loop (librdkafka `queued.max.messages.kbytes`,
     #: may be overshot by one fetch of a partition). librdkafka's default, 64 MiB, is what a
     #: lagging consumer then holds (and the allocator keeps after it): it made the projector, the
@@ -1257,6 +1263,11 @@ class ProcessorLoop:
             envelope = self._codec.decode_value(m.value() or b"")
             payload = open_payload(envelope)
         except SerdeError as exc:
+            if exc.reason in self.config.fail_on_decode_errors:
+                self._log.error("undecodable_record_stops_loop", reason=exc.reason, topic=m.topic(),
+                                partition=m.partition(), offset=offset, detail=_redacted(exc.detail)[:500])
+                raise FatalLoopError(f"{m.topic()}[{m.partition()}]@{offset} cannot be decoded: {exc.reason}: "
+                                     f"{exc.detail}") from exc
             self._dead_letter(batch, m, exc.reason, exc.detail)
             return
         unit = _Unit(origin=origin)
