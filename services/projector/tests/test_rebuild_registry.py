@@ -65,7 +65,7 @@ def test_a_registry_format_log_rebuilds_whole_and_without_the_registry_the_targe
     def replay(registry_url: str | None):
         return rebuild(bootstrap=kafka_bootstrap, topic=topic, dsn=pg_dsn, target_schema=target_schema,
                        group_id=f"test-rebuild-{u}", metrics=ProjectorMetrics(CollectorRegistry()),
-                       schema_registry_url=registry_url, batch_size=7, timeout_s=120)
+                       schema_registry_url=registry_url, batch_size=7, idle_timeout_s=120)
 
     report = replay(url)
     assert (report.records, report.applied, report.undecodable, report.chain_problems) == (expected, expected, 0, 0)

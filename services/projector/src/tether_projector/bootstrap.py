@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from tether_projector.adapters.postgres import PostgresReadModel
 from tether_projector.adapters.redis_live import RedisLiveState
-from tether_projector.entrypoint import ProjectorProcessor
+from tether_projector.entrypoint import ProjectorProcessor, unknown_schema_reasons
 from tether_projector.handlers import Deps
 from tether_projector.metrics import ProjectorMetrics
 from tether_projector.settings import ProjectorSettings
@@ -40,6 +42,15 @@ def build_processor(settings: ProjectorSettings, *, registry: CollectorRegistry 
         settings.input_topic(),
         read_model_attempts=settings.read_model_attempts,
     )
+
+
+def loop_options(settings: ProjectorSettings) -> dict[str, Any]:
+    """The projector's overrides of the shared loop's configuration (`LoopConfig` fields)."""
+    # At-least-once: nothing is produced, so there is nothing to make atomic with the offsets; a
+    # handler error stops the process (replayed after restart) rather than dropping the event,
+    # and so does an event whose schema this build does not know (replayed after the upgrade).
+    return {"transactional": False, "handler_errors": "fail",
+            "fail_on_decode_errors": unknown_schema_reasons(settings.schema_registry_url)}
 
 
 def declare_topics(settings: ProjectorSettings) -> None:

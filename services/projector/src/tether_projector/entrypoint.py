@@ -20,6 +20,20 @@ from tether_projector.ports import LogEvent, ReadModelUnavailable
 log = structlog.get_logger("tether_projector")
 
 
+def unknown_schema_reasons(schema_registry_url: str | None) -> frozenset[str]:
+    """Decode failures meaning this build does not know the record's schema (yet): the projector
+    stops on them (`LoopConfig.fail_on_decode_errors`) and a rebuild fails, instead of dropping
+    the event for good — its run would get a false GAP, and the event, re-driven after the upgrade,
+    would be ignored as a duplicate. Other decode failures (corrupt bytes) are still dead-lettered.
+    """
+    # A newer producer's payload or envelope schema (single-object), or a record the registry
+    # knows that no bundled record reads.
+    reasons = {"UNKNOWN_FINGERPRINT", "INCOMPATIBLE_SCHEMA"}
+    if not schema_registry_url:
+        reasons.add("UNKNOWN_SCHEMA_ID")  # registry-framed records, and no registry configured to read them
+    return frozenset(reasons)
+
+
 class ProjectorProcessor:
     """Projects each run log event into PostgreSQL and Redis; emits nothing to Kafka."""
 

@@ -35,6 +35,10 @@ class ProjectorSettings(LoopServiceSettings):
         8, ge=1, description="Attempts at a read-model transaction while PostgreSQL is unavailable before exiting."
     )
     rebuild_batch: int = Field(2_000, ge=1, description="Events per read-model transaction during a rebuild.")
+    rebuild_idle_timeout_s: float = Field(
+        300.0, gt=0,
+        description="A rebuild fails (STALLED) after reading nothing for this long; its total duration is not limited.",
+    )
 
     def topics(self) -> Topics:
         return Topics(self.topic_prefix)
