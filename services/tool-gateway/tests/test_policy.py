@@ -272,11 +272,13 @@ def test_copied_args_are_hashed_only_by_a_policy_that_reads_them():
 def test_the_default_policy_follows_links_and_the_earlier_default_still_derives_its_decisions():
     from tether_tool_gateway.domain.policy_document import default_policies
 
-    current, earlier = default_policies()
-    assert current.document.taint.follow_links and current.policy_version.startswith("default/2@")
+    current, second, earlier = default_policies()
+    assert current.document.taint.follow_links and current.policy_version.startswith("default/3@")
+    assert second.document.taint.follow_links and second.policy_version.startswith("default/2@")
     assert not earlier.document.taint.follow_links and earlier.policy_version.startswith("default/1@")
-    old = inputs(FETCH, {"url": LINK}, copied_args={"/url": "tool:1.0"}, **TAINTED)
+    old = inputs(FETCH, {"url": LINK}, copied_args={"/url": "tool:1.0"}, linked_args={"/url": "tool:1.0"}, **TAINTED)
     assert verdict(TrustPolicy(current), old).reasons[-1] == "EGRESS_FOLLOWS_LINK"
+    assert verdict(TrustPolicy(second), old).reasons[-1] == "EGRESS_FOLLOWS_LINK"
     assert verdict(TrustPolicy(earlier), old).reasons == ("TAINTED_EGRESS",)
 
 
@@ -388,7 +390,7 @@ def test_policy_version_names_the_version_and_the_content():
     assert a.policy_version == b.policy_version and a.policy_version.startswith("acme/7@")
     assert c.policy_version != a.policy_version
     assert index_by_version([a, c])[c.policy_version] is c
-    assert default_policy().policy_version.startswith("default/2@")
+    assert default_policy().policy_version.startswith("default/3@")
 
 
 @pytest.mark.parametrize("text,why", [

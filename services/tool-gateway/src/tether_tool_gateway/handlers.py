@@ -45,7 +45,7 @@ from tether_tool_gateway.domain.policy import (
     RequireApproval,
     approval_id_for,
 )
-from tether_tool_gateway.domain.provenance import copied_args, provenance, result_text
+from tether_tool_gateway.domain.provenance import copied_args, linked_args, provenance, result_text
 from tether_tool_gateway.domain.state import CallState, CallStatus, RunState
 from tether_tool_gateway.execution import (
     CallRef,
@@ -307,19 +307,26 @@ def on_tool_call_budgeted(event: ToolCallBudgeted, msg: Inbound, ctx: Context, *
 def call_decision_inputs(run: RunState, call: CallState, *, recorded_at_ms: int) -> CallDecisionInputs:
     """The decision inputs of a budgeted call, all from the log as folded up to its ToolCallBudgeted."""
     tool = run.tools.get(call.tool_name)
-    copied = None
-    if tool is not None and tool.egress and tool.risk_class.value == "READ_ONLY" and run.tainted_by:
+    tool_taint = run.tool_taint()
+    copied = linked = None
+    if tool is not None and tool.egress and tool.risk_class.value == "READ_ONLY" and (run.tainted_by or tool_taint):
         # Only where the link-following rule could apply (it searches up to 128 KiB of text).
+        # Both rules' answers: `copied_args` (taint.follow_links as default/2 read it) and the
+        # stricter `linked_args`; a policy hashes the one it reads, and only on a run it deems
+        # tainted (CallDecisionInputs.canonical), so earlier policies' inputs do not change.
         try:
-            copied = copied_args(json.loads(call.args_json), run.sources)
+            args = json.loads(call.args_json)
         except json.JSONDecodeError:
-            copied = {}
+            copied, linked = {}, {}
+        else:
+            copied = copied_args(args, run.sources)
+            linked = linked_args(args, run.sources, run.request_texts(call.call_id))
     return CallDecisionInputs(
         tool_name=call.tool_name, args_json=call.args_json, args_hash=call.args_hash,
         tool=tool, tenant_grants=run.tenant_grants, agent_allowlist=run.agent_allowlist,
         recorded_at_ms=recorded_at_ms, tenant_id=run.tenant_id, agent_id=run.agent_id,
         principal_id=run.principal_id, delegated_scope=run.delegated_scope, tainted_by=tuple(run.tainted_by),
-        copied_args=copied,
+        copied_args=copied, tool_taint=tuple(tool_taint), linked_args=linked,
     )
 
 
@@ -414,7 +421,7 @@ def read_outcome(run: RunState, event: AvroRecord) -> bool:
         run.read_result(event.call_id, event.tool_name, text, untrusted=event.untrusted or untrusted_tool)
     elif isinstance(event, ToolCallFailed):
         # An untrusted tool's error text may quote what it read; the model sees it too.
-        run.read_result(event.call_id, event.tool_name, event.detail, untrusted=untrusted_tool)
+        run.read_result(event.call_id, event.tool_name, event.detail, untrusted=untrusted_tool, failure=True)
     return (len(run.tainted_by), len(run.sources)) != before
 
 

@@ -80,15 +80,28 @@ class CallDecisionInputs:
     #: holding it whole ("goal" or "tool:<call_id>" of an untrusted result), or None
     #: (`provenance.copied_args`). None when not computed (the rule cannot apply).
     copied_args: Mapping[str, str | None] | None = None
+    #: `tools:<name>` of each untrusted MCP tool in the run's snapshot (`RunState.tool_taint`): what
+    #: taints the run from its start under taint.mcp_tool_descriptions.
+    tool_taint: Sequence[str] = ()
+    #: `copied_args` as taint.strict_link_sources reads it (`provenance.linked_args`): computed for a
+    #: read-only egress tool on a run tainted by an outcome or by `tool_taint`; None otherwise.
+    linked_args: Mapping[str, str | None] | None = None
 
-    def canonical(self, *, with_copied_args: bool = False) -> dict[str, Any]:
+    def canonical(self, *, with_copied_args: bool = False, strict_links: bool = False,
+                  with_tool_taint: bool = False) -> dict[str, Any]:
         """The inputs as hashed: only what the decision reads, named explicitly (schema growth
         of ToolSpec must not change the hash of an old decision). `copied_args` is hashed only by
-        a policy that reads it (taint.follow_links), so older policies' hashes do not change."""
+        a policy that reads it (taint.follow_links; under taint.strict_link_sources the strict
+        `linked_args` are hashed as `copied_args`, on a run the policy deems tainted), `tool_taint`
+        only by one with taint.mcp_tool_descriptions, so older policies' hashes do not change."""
         t = self.tool
         extra: dict[str, Any] = {}
-        if with_copied_args and self.copied_args is not None:
-            extra["copied_args"] = dict(sorted(self.copied_args.items()))
+        if with_tool_taint:
+            extra["tool_taint"] = sorted(set(self.tool_taint))
+        links = self.linked_args if strict_links else self.copied_args
+        tainted = bool(self.tainted_by) or (with_tool_taint and bool(self.tool_taint))
+        if with_copied_args and links is not None and tainted:
+            extra["copied_args"] = dict(sorted(links.items()))
         return extra | {
             "kind": "call",
             "tenant_id": self.tenant_id,
@@ -379,17 +392,27 @@ class TrustPolicy:
         return self.loaded.policy_version
 
     def decide_call(self, inputs: CallDecisionInputs) -> Decision:
-        canonical = inputs.canonical(with_copied_args=self.loaded.document.taint.follow_links)
+        taint = self.loaded.document.taint
+        canonical = inputs.canonical(with_copied_args=taint.follow_links, strict_links=taint.strict_link_sources,
+                                     with_tool_taint=taint.mcp_tool_descriptions)
         return Decision(self._call_verdict(inputs), self.version, inputs_hash(self.version, canonical))
+
+    def _tainted(self, i: CallDecisionInputs) -> bool:
+        """The run has read untrusted content: an outcome, or (taint.mcp_tool_descriptions) the
+        description of an untrusted MCP tool in its snapshot."""
+        return bool(i.tainted_by) or (self.loaded.document.taint.mcp_tool_descriptions and bool(i.tool_taint))
 
     def _follows_link(self, tool: ToolSpec, i: CallDecisionInputs) -> bool:
         """taint.follow_links: a READ_ONLY tool whose arguments are a flat object of declared
         properties with string values, every one a whole token of the goal or of an untrusted
-        result (`provenance.copied_args`). The shape keeps data out of places the sources are not
-        searched for: object keys the schema does not fix, numbers, nesting."""
-        if not self.loaded.document.taint.follow_links or tool.risk_class != RiskClass.READ_ONLY:
+        result (`provenance.copied_args`, or `linked_args` under taint.strict_link_sources). The
+        shape keeps data out of places the sources are not searched for: object keys the schema
+        does not fix, numbers, nesting."""
+        taint = self.loaded.document.taint
+        if not taint.follow_links or tool.risk_class != RiskClass.READ_ONLY:
             return False
-        if not i.copied_args:
+        copied = i.linked_args if taint.strict_link_sources else i.copied_args
+        if not copied:
             return False
         args = json.loads(i.args_json)
         declared = json.loads(tool.args_schema_json).get("properties") or {}
@@ -397,7 +420,7 @@ class TrustPolicy:
             return False
         for key, value in args.items():
             pointer = "/" + key.replace("~", "~0").replace("/", "~1")
-            if key not in declared or not isinstance(value, str) or not i.copied_args.get(pointer):
+            if key not in declared or not isinstance(value, str) or not copied.get(pointer):
                 return False
         return True
 
@@ -437,8 +460,9 @@ class TrustPolicy:
             reasons.append(POLICY)
         if tool.risk_class in need.risk_classes and not need.waived:
             reasons.append(RISK_CLASS)
-        follows_link = bool(tool.egress and i.tainted_by) and self._follows_link(tool, i)
-        if tool.egress and i.tainted_by and not follows_link:
+        tainted = self._tainted(i)
+        follows_link = bool(tool.egress and tainted) and self._follows_link(tool, i)
+        if tool.egress and tainted and not follows_link:
             reasons.append(TAINTED_EGRESS)
         if reasons:
             return RequireApproval(tuple(reasons), i.recorded_at_ms + self.loaded.document.approval_ttl_ms)

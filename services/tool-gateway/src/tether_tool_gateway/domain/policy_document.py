@@ -83,6 +83,19 @@ class TaintRules(_Strict):
                     "argument is a string the goal or an untrusted result holds as a whole token: it follows "
                     "a link it was given and carries nothing the model composed (docs/policy.md).",
     )
+    strict_link_sources: bool = Field(
+        False,
+        description="With follow_links: a result counts as the source of a link only if it is an untrusted "
+                    "completed result (not an error detail), kept whole in the state, and recorded before the "
+                    "first request of the run whose arguments hold the link (so a tool echoing what the model "
+                    "sent it cannot launder a composed URL); the goal counts as before (docs/policy.md).",
+    )
+    mcp_tool_descriptions: bool = Field(
+        False,
+        description="A run whose tool snapshot holds an untrusted_source tool of an MCP server (executor kind "
+                    "mcp or mcp_stdio) is tainted from its start by that tool's description and schema, which "
+                    "the model reads (taint source tools:<name>; docs/policy.md).",
+    )
 
 
 class PolicyDocument(_Strict):
@@ -171,12 +184,15 @@ def parse_policy(text: str) -> LoadedPolicy:
     return LoadedPolicy(doc, policy_version_of(raw))
 
 
-#: Used when no document is configured: irreversible tools need a human, no rate limits, and a
-#: tainted run may follow the links it was given with a read-only egress tool.
-DEFAULT_POLICY_TEXT = '{"version": "default/2", "taint": {"follow_links": true}}'
+#: Used when no document is configured: irreversible tools need a human, no rate limits, a
+#: tainted run may follow the links it was given with a read-only egress tool (only links a result
+#: held before the model first wrote them), and an untrusted MCP server's tools taint the run.
+DEFAULT_POLICY_TEXT = ('{"version": "default/3", "taint": {"follow_links": true, "strict_link_sources": true, '
+                       '"mcp_tool_descriptions": true}}')
 #: The defaults of earlier releases, still needed to re-derive the decisions they recorded
-#: (default/1: before http_get was an egress tool and before taint.follow_links).
-EARLIER_DEFAULT_POLICY_TEXTS = ('{"version": "default/1"}',)
+#: (default/2: before taint.strict_link_sources and taint.mcp_tool_descriptions; default/1: before
+#: http_get was an egress tool and before taint.follow_links).
+EARLIER_DEFAULT_POLICY_TEXTS = ('{"version": "default/2", "taint": {"follow_links": true}}', '{"version": "default/1"}')
 
 
 def default_policy() -> LoadedPolicy:

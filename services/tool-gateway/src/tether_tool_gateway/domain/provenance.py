@@ -40,6 +40,12 @@ class Source(BaseModel):
     untrusted: bool = False
     text: str | None = None  # None: not available to search (stored out of band)
     truncated: bool = False
+    #: How many of the run's ToolCallRequested the log held when this source was recorded (its
+    #: place among the requests); None in a state checkpointed before the field existed (unknown:
+    #: `linked_args` does not search it).
+    requests_before: int | None = None
+    #: The text is a ToolCallFailed's detail (an error message, which may quote the arguments).
+    failure: bool = False
 
 
 def result_text(result_json: str) -> str:
@@ -97,6 +103,16 @@ def _leaves(value: Any) -> Iterator[tuple[str, str]]:
     return ((path, v) for path, v in _all_leaves(value) if isinstance(v, str))
 
 
+def request_text(args_json: str) -> str:
+    """What a ToolCallRequested's arguments hold, as `linked_args` searches it: the raw JSON text
+    and every key and string value decoded (so an escaped spelling is found too)."""
+    try:
+        decoded = json.loads(args_json)
+    except json.JSONDecodeError:
+        return args_json
+    return "\x00".join([args_json, *_strings(decoded)])
+
+
 def copied_args(args: Any, sources: Sequence[Source]) -> dict[str, str | None]:
     """For each leaf of the arguments (JSON pointer): the source that holds it as a whole token,
     or None. Only the goal and untrusted results count; deterministic (an input of the decision).
@@ -111,6 +127,38 @@ def copied_args(args: Any, sources: Sequence[Source]) -> dict[str, str | None]:
     or were cut to fit the state are not found: the rule fails closed.
     """
     eligible = [s for s in sources if s.text and (s.origin == "goal" or s.untrusted)]
+    return _whole_tokens(args, eligible, lambda value, source: True)
+
+
+def linked_args(args: Any, sources: Sequence[Source], requests: Sequence[str]) -> dict[str, str | None]:
+    """`copied_args` as a policy with `taint.strict_link_sources` reads it (docs/policy.md,
+    "Following links"): a result counts for a value only if it is an untrusted **completed**
+    result, kept whole in the state, and recorded before the first of the run's requests whose
+    arguments hold the value (`requests`: each ToolCallRequested's `request_text`, in log order,
+    up to the call decided). The goal counts as before.
+
+    Why: a tool that echoes its arguments (a not-found error quoting the id, a search repeating the
+    query) hands the model back whatever it composed, so a URL carrying data, sent first to a tool
+    without egress, would otherwise come back as a "link the run was given". A result recorded
+    before the model first wrote the value cannot be an echo of it. Failure details are error
+    messages (they quote arguments, and no page links from one); a result cut to fit the state
+    ends where the sizes of earlier results put the cut, which the model can choose, so its last
+    token may be a prefix the model picked.
+    """
+    eligible = [s for s in sources if s.text and (
+        s.origin == "goal"
+        or (s.untrusted and not s.failure and not s.truncated and s.requests_before is not None))]
+
+    def first_request(value: str) -> int:
+        return next((n for n, text in enumerate(requests) if value in text), len(requests))
+
+    return _whole_tokens(args, eligible, lambda value, source: source.origin == "goal" or (
+        source.requests_before is not None and source.requests_before <= first_request(value)))
+
+
+def _whole_tokens(args: Any, eligible: Sequence[Source], counts: Any) -> dict[str, str | None]:
+    """For each leaf: the eligible source holding it as a whole token and for which
+    `counts(value, source)` holds — the goal first, else the latest — or None."""
     tokens: dict[int, frozenset[str]] = {}
 
     def tokens_of(i: int) -> frozenset[str]:
@@ -122,7 +170,7 @@ def copied_args(args: Any, sources: Sequence[Source]) -> dict[str, str | None]:
     for path, value in _all_leaves(args):
         found = None
         if isinstance(value, str) and value:
-            holders = [src.origin for i, src in enumerate(eligible) if value in tokens_of(i)]
+            holders = [src.origin for i, src in enumerate(eligible) if value in tokens_of(i) and counts(value, src)]
             if holders:
                 # The goal first (the principal's own words), else the latest result holding it.
                 found = "goal" if "goal" in holders else holders[-1]

@@ -7,7 +7,10 @@ from enum import StrEnum
 from pydantic import BaseModel, Field
 
 from tether_contracts.records import ToolSpec
-from tether_tool_gateway.domain.provenance import RUN_SOURCES_MAX_CHARS, Source, cap_source
+from tether_tool_gateway.domain.provenance import RUN_SOURCES_MAX_CHARS, Source, cap_source, request_text
+
+#: Executor kinds whose tools' descriptions and argument schemas come from an MCP server.
+MCP_EXECUTOR_KINDS = frozenset({"mcp", "mcp_stdio"})
 
 
 class CallStatus(StrEnum):
@@ -78,23 +81,43 @@ class RunState(BaseModel):
             }
         )
 
+    def tool_taint(self) -> list[str]:
+        """`tools:<name>` for each tool of the snapshot whose description and argument schema an
+        untrusted MCP server wrote: the model reads them from its first step (taint.mcp_tool_descriptions)."""
+        return sorted(f"tools:{t.name}" for t in self.tools.values()
+                      if t.untrusted_source and t.executor_kind in MCP_EXECUTOR_KINDS)
+
+    def request_texts(self, until_call_id: str) -> list[str]:
+        """`provenance.request_text` of each request of the run in log order, up to and including
+        `until_call_id` (what `provenance.linked_args` looks for the first request of a value in)."""
+        out = []
+        for call_id, call in self.calls.items():
+            out.append(request_text(call.args_json))
+            if call_id == until_call_id:
+                break
+        return out
+
     def sources_chars(self) -> int:
         return sum(len(s.text or "") for s in self.sources)
 
     def read_goal(self, goal: str) -> None:
         """The goal is the first text provenance searches (the principal's own words)."""
-        self.sources = [cap_source(Source(origin="goal", text=goal), RUN_SOURCES_MAX_CHARS),
+        self.sources = [cap_source(Source(origin="goal", text=goal, requests_before=0), RUN_SOURCES_MAX_CHARS),
                         *(s for s in self.sources if s.origin != "goal")]
 
-    def read_result(self, call_id: str, tool_name: str, text: str | None, *, untrusted: bool) -> None:
+    def read_result(self, call_id: str, tool_name: str, text: str | None, *, untrusted: bool,
+                    failure: bool = False) -> None:
         """The log holds an outcome the model will read: untrusted content taints the run.
 
-        `text` is None when the result is not available to search (a claim check). Idempotent.
+        `text` is None when the result is not available to search (a claim check); `failure`: it
+        is a ToolCallFailed's detail. The source records how many requests the log held before
+        it (`Source.requests_before`). Idempotent.
         """
         if untrusted and call_id not in self.tainted_by:
             self.tainted_by.append(call_id)
         origin = f"tool:{call_id}"
         if any(s.origin == origin for s in self.sources):
             return
-        source = Source(origin=origin, tool_name=tool_name, untrusted=untrusted, text=text)
+        source = Source(origin=origin, tool_name=tool_name, untrusted=untrusted, text=text,
+                        requests_before=len(self.calls), failure=failure)
         self.sources.append(cap_source(source, RUN_SOURCES_MAX_CHARS - self.sources_chars()))
