@@ -899,6 +899,13 @@ class ProcessorLoop:
                 self._store.drop_partition(p)
             self._meta_has_holds.pop(p, None)
             self._epoch[p] = self._epoch.get(p, 0) + 1
+        for tp in [tp for tp in self._next if tp[1] in gone]:
+            # The new owner exports its own lag for this partition; a frozen series here would
+            # be summed with it (the lag alert adds by service) until this process restarts.
+            try:
+                LAG.remove(self._name, tp[0], str(tp[1]))
+            except KeyError:
+                pass  # never measured
         for d in (self._next, self._holds, self._committed, self._skip):
             for tp in [tp for tp in d if tp[1] in gone]:
                 del d[tp]
