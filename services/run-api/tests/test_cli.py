@@ -31,6 +31,7 @@ from tether_run_api.domain.auth import (
 )
 from tether_run_api.domain.catalog import AgentDraft, CapsDraft, CatalogLimits
 from tether_run_api.domain.views import ApprovalView, EventView, RunStatus, RunView
+from tether_run_api.ports import LiveEntry
 from tether_run_api.testing import (
     FakeApiKeys,
     FakeCatalog,
@@ -206,25 +207,25 @@ def test_follow_reconnects_from_the_next_seq_and_shows_each_event_once() -> None
 
 
 def test_watch_goes_on_past_a_hole_in_the_read_model_and_says_so(env: Services) -> None:
-    # seq 2 was never stored (the projector dead-lettered it and moved past it): run-api ends every
-    # stream at it with STREAM_RESUME_REQUIRED, at once and on every resume, and asks a client that must
-    # go on to resume past it. The CLI asked again at 2 until it gave up (20 reconnects, ~85 s) and
-    # failed; it now retries 2 for HOLE_WAIT_S, then shows it as missing and follows the run to its end.
+    # seqs 2 and 3 were never stored (the projector dead-lettered them and moved past them): run-api ends
+    # the stream at the hole with DATA_LOSS / STREAM_HOLE (next_seq 2, next_stored_seq 4). The CLI shows
+    # both as missing at once and follows the run to its end from seq 4.
     run_id = invoke("run", "x").stdout.strip()
     env.read_model.add_events("acme", [
         EventView(run_id, 1, "e1", "tether.v1.RunAccepted", 1000, "{}"),
-        EventView(run_id, 3, "e3", "tether.v1.StepGranted", 1100, "{}"),
-        EventView(run_id, 4, "e4", "tether.v1.RunCompleted", 1500, json.dumps({"step": 1, "answer": "42"})),
+        EventView(run_id, 4, "e4", "tether.v1.StepGranted", 1100, "{}"),
+        EventView(run_id, 5, "e5", "tether.v1.RunCompleted", 1500, json.dumps({"step": 1, "answer": "42"})),
     ])
     env.read_model.runs[("acme", run_id)] = RunView(run_id, RunStatus.COMPLETED, agent_id="demo", agent_version=1,
-                                                     goal="g", answer="42", last_seq=4)
+                                                     goal="g", answer="42", last_seq=5)
     result = invoke("--json", "watch", run_id)
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"seq"')]
-    assert [(line["seq"], line.get("missing", False)) for line in lines] == [(1, False), (2, True), (3, False),
-                                                                            (4, False)]
-    assert lines[1]["reason"] == "STREAM_RESUME_REQUIRED"
-    assert "seq 2 is missing from the read model" in result.output and f"tether audit verify --run {run_id}" in result.output
+    assert [(line["seq"], line.get("missing", False)) for line in lines] == [
+        (1, False), (2, True), (3, True), (4, False), (5, False)]
+    assert lines[1]["reason"] == lines[2]["reason"] == "STREAM_HOLE"
+    assert "seqs 2..3 missing from the read model" in result.output
+    assert f"tether audit verify --run {run_id}" in result.output
 
 
 class _Clock:
@@ -238,7 +239,7 @@ class _Clock:
         self.now += seconds
 
 
-def test_follow_asks_again_for_a_missing_seq_with_backoff_then_goes_past_it(env: Services) -> None:
+def test_follow_goes_past_a_hole_at_once_and_asks_again_for_a_seq_not_stored_yet(env: Services) -> None:
     run_id = invoke("run", "x").stdout.strip()
     env.read_model.add_events("acme", [EventView(run_id, 1, "e1", "tether.v1.RunAccepted", 1000, "{}"),
                                        EventView(run_id, 3, "e3", "tether.v1.RunCompleted", 1500, "{}")])
@@ -246,16 +247,45 @@ def test_follow_asks_again_for_a_missing_seq_with_backoff_then_goes_past_it(env:
     client, clock = connect(os.environ["TETHER_ADDR"], KEY), _Clock()
     seen, missing = [], []
     try:
-        for on_missing in (lambda seq, err: missing.append((seq, cli.reason(err))), None):
+        # A hole (DATA_LOSS / STREAM_HOLE) is permanent: reported and skipped at once, no retry, no wait.
+        for on_missing in (lambda first, last, err: missing.append((first, last, cli.reason(err))), None):
             seen.clear()
             with pytest.raises(CliError) if on_missing is None else nullcontext() as refused:
                 cli.follow(client, run_id, 1, on_event=lambda e: seen.append(e.seq), on_missing=on_missing,
-                           hole_wait_s=10.0, sleep=clock.sleep, monotonic=lambda: clock.now)
-        assert missing == [(2, "STREAM_RESUME_REQUIRED")]
+                           sleep=clock.sleep, monotonic=lambda: clock.now)
+            if on_missing is not None:
+                assert seen == [1, 3] and missing == [(2, 2, "STREAM_HOLE")]
         assert seen == [1]  # without on_missing: a clear error at the hole instead
-        assert "--from-seq 3" in str(refused.value) and "STREAM_RESUME_REQUIRED" in str(refused.value)
-        # Asked again with growing delays (the server's RetryInfo 0.5 s at least), for 10 s in all, each time.
-        assert clock.slept[:4] == [0.5, 1.0, 2.0, 4.0] and sum(clock.slept) == 20.0
+        assert "--from-seq 3" in str(refused.value) and "STREAM_HOLE" in str(refused.value)
+        assert clock.slept == []
+
+        # A seq seen live but not stored yet (UNAVAILABLE / STREAM_RESUME_REQUIRED) is only late: it is
+        # asked again with growing delays (the server's RetryInfo 0.5 s at least), never skipped, for as
+        # long as the projector takes (here: it stores seq 2 after 7.5 s of the fake clock).
+        late = invoke("run", "y").stdout.strip()
+        env.read_model.add_events("acme", [EventView(late, 1, "e1", "tether.v1.RunAccepted", 1000, "{}")])
+        env.read_model.runs[("acme", late)] = RunView(late, RunStatus.RUNNING, last_seq=1)
+        announce = lambda: env.live.script.__setitem__(late, [[LiveEntry(2, None)]])  # noqa: E731
+        announce()
+
+        def projector_catches_up_later(seconds: float) -> None:
+            clock.sleep(seconds)
+            if clock.now < 7.5:
+                announce()  # the next stream is told of seq 2 again and still does not find it
+                return
+            env.read_model.add_events("acme", [
+                EventView(late, 2, "e2", "tether.v1.StepGranted", 1100, "{}"),
+                EventView(late, 3, "e3", "tether.v1.RunCompleted", 1500, "{}")])
+            env.read_model.runs[("acme", late)] = RunView(late, RunStatus.COMPLETED, last_seq=3)
+
+        seen.clear()
+        missing.clear()
+        clock.slept.clear()
+        cli.follow(client, late, 1, on_event=lambda e: seen.append(e.seq),
+                   on_missing=lambda first, last, err: missing.append((first, last)),
+                   sleep=projector_catches_up_later, monotonic=lambda: clock.now)
+        assert seen == [1, 2, 3] and missing == []
+        assert clock.slept == [0.5, 1.0, 2.0, 4.0]
     finally:
         client.close()
 

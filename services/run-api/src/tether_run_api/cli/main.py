@@ -182,28 +182,23 @@ def _print_event(event: runs_pb.RunEvent) -> None:
 
 #: How long `follow` keeps reconnecting without receiving an event before it gives up.
 RECONNECT_WINDOW_S = 60.0
-#: How long `follow` asks again for a seq the server keeps answering STREAM_RESUME_REQUIRED at before
-#: it takes it for a hole in the read model and goes on past it. run-api ends a stream at such a hole
-#: at once and on every resume (an event the projector never stored; nothing will fill it), and
-#: after STREAM_GAP_WAIT_S for a seq seen live but not yet stored (that one a resume can get).
-HOLE_WAIT_S = 2.0
 _MAX_BACKOFF_S = 5.0
 
 
 def follow(client: Client, run_id: str, from_seq: int, *, on_event, on_missing=None,
-           reconnect_window_s: float = RECONNECT_WINDOW_S, hole_wait_s: float = HOLE_WAIT_S,
-           sleep=time.sleep, monotonic=time.monotonic) -> runs_pb.RunEvent | None:
+           reconnect_window_s: float = RECONNECT_WINDOW_S, sleep=time.sleep,
+           monotonic=time.monotonic) -> runs_pb.RunEvent | None:
     """Stream events from from_seq until the terminal one, reconnecting from the next seq on a
     dropped stream, so each event is handed to on_event exactly once. Returns the terminal event.
 
-    A seq the server answers STREAM_RESUME_REQUIRED at for `hole_wait_s` (asked again with backoff)
-    is a hole in the read model: it is handed to `on_missing(seq, err)` and the stream goes on from
-    the next seq, as run-api asks; without `on_missing` it is a CliError. Reconnecting stops with a
-    CliError when `reconnect_window_s` passes without an event."""
+    A permanent hole in the read model (DATA_LOSS / STREAM_HOLE: seqs the projector never stored)
+    is handed to `on_missing(first, last, err)` at once and the stream goes on from the server's
+    `next_stored_seq`; without `on_missing` it is a CliError. UNAVAILABLE (STREAM_RESUME_REQUIRED
+    among them: a seq seen live and not stored yet) is asked again with backoff, never skipped;
+    reconnecting stops with a CliError when `reconnect_window_s` passes without an event."""
     next_seq = from_seq
     failures = 0
     stalled_since: float | None = None  # first failure since the last event (or the hole skipped)
-    refused_seq, refused_since = -1, 0.0  # the seq STREAM_RESUME_REQUIRED names, since when
     while True:
         try:
             stream = client.runs.StreamRunEvents(
@@ -221,35 +216,42 @@ def follow(client: Client, run_id: str, from_seq: int, *, on_event, on_missing=N
                     return event
             return None  # the server ended the stream without a terminal event
         except grpc.RpcError as err:
-            now = monotonic()
-            resume_required = reason(err) == "STREAM_RESUME_REQUIRED"
-            if not resume_required and err.code() not in (
+            if reason(err) == "STREAM_HOLE":
+                resume_at = _next_stored_seq(err, next_seq)
+                if on_missing is None:
+                    raise CliError(f"{describe(err)}\n  seqs {next_seq}..{resume_at - 1} of run {run_id} are "
+                                   f"missing from the read model; resume past them: tether watch {run_id} "
+                                   f"--from-seq {resume_at}; investigate: tether audit verify --run {run_id}"
+                                   ) from None
+                on_missing(next_seq, resume_at - 1, err)
+                next_seq = resume_at
+                _STATE["next_seq"] = next_seq
+                failures, stalled_since = 0, None
+                continue
+            if reason(err) != "STREAM_RESUME_REQUIRED" and err.code() not in (
                 grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL
             ):
                 raise CliError(describe(err)) from None
-            if resume_required:
-                # The server names the seq it could not send; it is ours (it counts what it sent us).
-                if refused_seq != next_seq:
-                    refused_seq, refused_since = next_seq, now
-                elif now - refused_since >= hole_wait_s:
-                    if on_missing is None:
-                        raise CliError(f"{describe(err)}\n  seq {next_seq} of run {run_id} is missing from the read "
-                                       f"model; resume past it: tether watch {run_id} --from-seq {next_seq + 1}; "
-                                       f"investigate: tether audit verify --run {run_id}") from None
-                    on_missing(next_seq, err)
-                    next_seq += 1
-                    _STATE["next_seq"] = next_seq
-                    failures, stalled_since = 0, None
-                    continue
+            now = monotonic()
             stalled_since = now if stalled_since is None else stalled_since
             if now - stalled_since >= reconnect_window_s:
                 raise CliError(f"{describe(err)}\n  no event for {now - stalled_since:.0f} s of reconnecting; "
                                f"resume: tether watch {run_id} --from-seq {next_seq}") from None
             failures += 1
             delay = max(_retry_after_s(err), min(_MAX_BACKOFF_S, 0.25 * 2 ** min(failures, 5)))
-            # Never sleep past the moment the next decision (skip the hole, give up) is due.
-            due = refused_since + hole_wait_s if resume_required else stalled_since + reconnect_window_s
-            sleep(max(0.0, min(delay, due - now)))
+            sleep(max(0.0, min(delay, stalled_since + reconnect_window_s - now)))  # never past the window
+
+
+def _next_stored_seq(err: grpc.RpcError, next_seq: int) -> int:
+    """Where the log goes on after the hole a STREAM_HOLE names; a CliError if the answer names no
+    seq after the one the stream is at (going on from there could loop or skip what was not missing)."""
+    info, _ = error_info(err)
+    value = info.metadata.get("next_stored_seq", "") if info else ""
+    if not value.isdigit() or int(value) <= next_seq:
+        raise CliError(f"{describe(err)}\n  the server named no stored seq after {next_seq} "
+                       f"(next_stored_seq={value!r}); investigate: tether audit verify --run "
+                       f"{_STATE.get('run_id', '?')}") from None
+    return int(value)
 
 
 def _retry_after_s(err: grpc.RpcError) -> float:
@@ -260,13 +262,15 @@ def _retry_after_s(err: grpc.RpcError) -> float:
     return 0.0
 
 
-def _print_missing(seq: int, err: grpc.RpcError) -> None:
+def _print_missing(first: int, last: int, err: grpc.RpcError) -> None:
     run_id = _STATE.get("run_id", "?")
     if _json():
-        render.print_line(json.dumps({"seq": seq, "missing": True, "reason": reason(err)}))
+        for seq in range(first, last + 1):
+            render.print_line(json.dumps({"seq": seq, "missing": True, "reason": reason(err)}))
+    seqs = f"seq {first}" if first == last else f"seqs {first}..{last}"
     render.err_console.print(
-        f"  seq {seq} is missing from the read model (STREAM_RESUME_REQUIRED at every resume for "
-        f"{HOLE_WAIT_S:g} s): not shown; going on from seq {seq + 1}. The log is the truth; "
+        f"  {seqs} missing from the read model ({reason(err) or err.code().name}: the projector never "
+        f"stored them): not shown; going on from seq {last + 1}. The log is the truth; "
         f"investigate: tether audit verify --run {run_id}", markup=False, soft_wrap=True,
     )
 
