@@ -41,6 +41,7 @@ from tether_run_api.testing import (
     FakeReadModel,
 )
 from tether_testing.processes import free_port
+from tether_testing.system import ApiClient
 
 KEY = "tk_cli_" + "k" * 30
 ME = Principal("acme", "alice", frozenset({ROLE_ADMIN, ROLE_APPROVER, ROLE_MEMBER}))
@@ -288,6 +289,24 @@ def test_follow_goes_past_a_hole_at_once_and_asks_again_for_a_seq_not_stored_yet
         assert clock.slept == [0.5, 1.0, 2.0, 4.0]
     finally:
         client.close()
+
+
+def test_the_e2e_follow_helper_goes_past_a_hole_only_when_asked_and_never_retries_it(env: Services) -> None:
+    run_id = invoke("run", "x").stdout.strip()
+    env.read_model.add_events("acme", [EventView(run_id, 1, "e1", "tether.v1.RunAccepted", 1000, "{}"),
+                                       EventView(run_id, 4, "e4", "tether.v1.RunCompleted", 1500, "{}")])
+    env.read_model.runs[("acme", run_id)] = RunView(run_id, RunStatus.COMPLETED, last_seq=4)
+    client, missing = ApiClient(os.environ["TETHER_ADDR"], KEY), []
+    try:
+        queries = env.read_model.event_queries
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.follow(run_id))
+        assert err.value.code() is grpc.StatusCode.DATA_LOSS
+        assert env.read_model.event_queries - queries == 1  # one stream: a hole is not asked again
+        seen = [e.seq for e in client.follow(run_id, on_missing=lambda first, last: missing.append((first, last)))]
+        assert seen == [1, 4] and missing == [(2, 3)]
+    finally:
+        client.channel.close()
 
 
 def test_follow_gives_up_after_the_reconnect_window_with_a_clear_error() -> None:

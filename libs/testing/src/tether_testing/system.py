@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +41,7 @@ import grpc
 import psycopg
 import redis
 from confluent_kafka.admin import AdminClient
+from google.rpc import error_details_pb2, status_pb2
 from psycopg import sql
 
 from tether_api.v1 import (
@@ -172,6 +173,22 @@ class Names:
 # -- the gRPC client ------------------------------------------------------------------------------
 
 
+def _stream_hole_next_stored_seq(err: grpc.RpcError) -> int | None:
+    """The `next_stored_seq` of a DATA_LOSS / STREAM_HOLE answer (where the run's log goes on after a
+    hole in the read model), or None for any other error."""
+    if err.code() is not grpc.StatusCode.DATA_LOSS:
+        return None
+    for key, value in err.trailing_metadata() or ():
+        if key != "grpc-status-details-bin":
+            continue
+        for detail in status_pb2.Status.FromString(value).details:
+            info = error_details_pb2.ErrorInfo()
+            if detail.Unpack(info) and info.reason == "STREAM_HOLE" and info.metadata.get("next_stored_seq", "").isdigit():
+                return int(info.metadata["next_stored_seq"])
+    return None
+
+
+
 class ApiClient:
     """The run-api's stubs over one channel; every call carries the API key.
 
@@ -213,11 +230,15 @@ class ApiClient:
         finally:
             stream.cancel()
 
-    def follow(self, run_id: str, from_seq: int = 1, *, timeout_s: float | None = None, max_reconnects: int = 20
-               ) -> Iterator[run_service_pb2.RunEvent]:
+    def follow(self, run_id: str, from_seq: int = 1, *, timeout_s: float | None = None, max_reconnects: int = 20,
+               on_missing: Callable[[int, int], None] | None = None) -> Iterator[run_service_pb2.RunEvent]:
         """Every event from `from_seq` up to the terminal one, each exactly once, reconnecting from
         the next seq when the stream breaks (as `tether watch` does). With `timeout_s`, the whole
-        follow ends with DEADLINE_EXCEEDED after that long."""
+        follow ends with DEADLINE_EXCEEDED after that long.
+
+        A hole in the read model (DATA_LOSS / STREAM_HOLE, permanent) is not retried: it is raised,
+        or with `on_missing` handed to it as (first, last) missing seq and followed past at once
+        from the server's `next_stored_seq`."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         next_seq, failures = from_seq, 0
         while True:
@@ -232,6 +253,11 @@ class ApiClient:
                         return
                 return  # the server ended the stream without a terminal event
             except grpc.RpcError as err:
+                hole = _stream_hole_next_stored_seq(err)
+                if hole is not None and on_missing is not None and hole > next_seq:
+                    on_missing(next_seq, hole - 1)
+                    next_seq, failures = hole, 0
+                    continue
                 failures += 1
                 expired = deadline is not None and time.monotonic() >= deadline
                 if expired or failures > max_reconnects or err.code() not in (
