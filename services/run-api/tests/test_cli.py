@@ -117,6 +117,23 @@ def test_terminated_run_exits_2_with_the_report(env: Services) -> None:
     assert "STEP_CAP" in result.output and "1.0 http_get COMPLETED" in result.output
 
 
+def test_watch_shows_the_facts_recorded_after_the_run_ended(env: Services) -> None:
+    # Cancelled while send_mail was executing: the budget records the call's outcome after RunTerminated.
+    run_id = invoke("run", "x").stdout.strip()
+    env.read_model.add_events("acme", [
+        EventView(run_id, 1, "e1", "tether.v1.RunAccepted", 1000, "{}"),
+        EventView(run_id, 2, "e2", "tether.v1.RunTerminated", 1100, json.dumps({"reason_code": "CANCELLED"})),
+        EventView(run_id, 3, "e3", "tether.v1.ToolCallCompleted", 1200, json.dumps({"tool_name": "send_mail"})),
+    ])
+    env.read_model.runs[("acme", run_id)] = RunView(run_id, RunStatus.TERMINATED, agent_id="demo", agent_version=1,
+                                                     goal="g", last_seq=3)
+    result = invoke("--json", "watch", run_id)
+    assert result.exit_code == 2, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"seq"')]
+    assert [(line["seq"], line["event_type"]) for line in lines] == [
+        (1, "tether.v1.RunAccepted"), (2, "tether.v1.RunTerminated"), (3, "tether.v1.ToolCallCompleted")]
+
+
 def test_get_json_and_errors(env: Services) -> None:
     run_id = invoke("run", "x").stdout.strip()
     result = invoke("--json", "get", run_id)

@@ -1,5 +1,6 @@
 """On the real stack: a permanent hole in the read model is DATA_LOSS / STREAM_HOLE, distinct from the
-retryable wait for a seq seen live (UNAVAILABLE / STREAM_RESUME_REQUIRED)."""
+retryable wait for a seq seen live (UNAVAILABLE / STREAM_RESUME_REQUIRED); the facts stored after the
+terminal event are streamed too."""
 
 from __future__ import annotations
 
@@ -103,3 +104,29 @@ def test_a_seq_seen_live_but_not_yet_stored_stays_the_retryable_stream_resume_re
     info, details = error_info(err.value)
     assert info is not None and info.reason == "STREAM_RESUME_REQUIRED" and dict(info.metadata)["next_seq"] == "2"
     assert [d for d in details if isinstance(d, error_details_pb2.RetryInfo)]
+
+
+def test_the_facts_stored_after_the_terminal_event_are_streamed_after_it(stack) -> None:
+    # A run cancelled while its send_mail call was executing: the budget still records the call's
+    # outcome after RunTerminated (services/budget decisions._after_end). The client must see it.
+    run_id, key = a_run(stack, "TERMINATED", last_seq=5)
+    tenant_id = tenant_of(stack, run_id)
+    types = {1: "RunAccepted", 2: "ToolCallAuthorized", 3: "RunTerminated", 4: "ToolCallCompleted",
+             5: "ModelCallCompleted"}
+    with stack.pg() as conn:
+        for seq, etype in types.items():
+            conn.execute(sql.SQL("INSERT INTO {}.events (tenant_id, run_id, seq, event_id, event_type, "
+                                 "recorded_at_ms, payload, hash, prev_hash, producer) "
+                                 "VALUES (%s, %s, %s, %s, %s, %s, '{{}}', %s, %s, 'budget')").format(
+                sql.Identifier(stack.settings.read_model_schema)),
+                (tenant_id, run_id, seq, f"ev-{seq}", f"tether.v1.{etype}", 1_700_000_000_000 + seq, f"h{seq}",
+                 f"h{seq - 1}"))
+    runs = runs_grpc.RunServiceStub(stack.channel)
+    calls = runs.StreamRunEvents(runs_pb.StreamRunEventsRequest(run_id=run_id, from_seq=1), metadata=md(key),
+                                 timeout=30)
+    got = [(msg.event.seq, msg.event.event_type.rsplit(".", 1)[-1], msg.event.terminal) for msg in calls]
+    assert got == [(1, "RunAccepted", False), (2, "ToolCallAuthorized", False), (3, "RunTerminated", True),
+                   (4, "ToolCallCompleted", False), (5, "ModelCallCompleted", False)]
+    # A resume after the terminal event gets the rest too, and one past the last seq ends at once.
+    assert stream(stack, key, run_id, 4) == ([4, 5], None)
+    assert stream(stack, key, run_id, 6) == ([], None)

@@ -564,7 +564,10 @@ def stream_run_events(
     sleep: Callable[[float], None] = time.sleep,
     monotonic: Callable[[], float] = time.monotonic,
 ) -> Iterator[EventView]:
-    """The run's events from from_seq, each exactly once and in order, until the terminal event.
+    """The run's events from from_seq, each exactly once and in order, through the terminal event and
+    then the facts the read model already holds after it (up to the run's last_seq once the terminal
+    event is sent): the budget still records the outcome of a tool call that was running when the
+    run ended, and a client that cancelled a run must learn that it ran.
 
     The read model is the truth and the live feed a wake-up: the feed position is taken
     before the catch-up query, so an event committed during catch-up is seen on the feed
@@ -638,7 +641,28 @@ def stream_run_events(
                 gate.sent(entry.event)
                 yield entry.event
             if gate.done:
-                return
+                break
+    if gate.done:
+        yield from _after_the_terminal(gate, tenant, run_id, read_model, policy)
+
+
+def _after_the_terminal(
+    gate: SeqGate, tenant: str, run_id: str, read_model: ReadModel, policy: StreamPolicy
+) -> Iterator[EventView]:
+    """The stored events after the terminal one, up to the run's last_seq as the read model has it
+    now (late facts: services/budget decisions._after_end). One catch-up, no wait: a fact stored
+    later is read by a resume from the next seq."""
+    run = read_model.get_run(tenant, run_id)
+    last_seq = run.last_seq if run is not None else 0
+    while gate.next_seq <= last_seq:
+        page = [ev for ev in read_model.events(tenant, run_id, gate.next_seq, policy.page) if ev.seq <= last_seq]
+        for ev in page:
+            if gate.offer(ev.seq) is not Offer.NEXT:
+                raise StreamHole(run_id, gate.next_seq, ev.seq)  # as in catch-up: nothing will fill it
+            gate.sent(ev)
+            yield ev
+        if not page:
+            return  # last_seq is ahead of what is stored (a hole at the end): nothing more to send
 
 
 def _fill(

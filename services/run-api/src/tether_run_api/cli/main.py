@@ -188,8 +188,10 @@ _MAX_BACKOFF_S = 5.0
 def follow(client: Client, run_id: str, from_seq: int, *, on_event, on_missing=None,
            reconnect_window_s: float = RECONNECT_WINDOW_S, sleep=time.sleep,
            monotonic=time.monotonic) -> runs_pb.RunEvent | None:
-    """Stream events from from_seq until the terminal one, reconnecting from the next seq on a
-    dropped stream, so each event is handed to on_event exactly once. Returns the terminal event.
+    """Stream events from from_seq until the server ends the stream after the terminal event and the
+    facts stored after it (the late outcome of a tool call that ran as the run ended), reconnecting
+    from the next seq on a dropped stream, so each event is handed to on_event exactly once.
+    Returns the terminal event (None if the server ended the stream before it).
 
     A permanent hole in the read model (DATA_LOSS / STREAM_HOLE: seqs the projector never stored)
     is handed to `on_missing(first, last, err)` at once and the stream goes on from the server's
@@ -199,6 +201,7 @@ def follow(client: Client, run_id: str, from_seq: int, *, on_event, on_missing=N
     next_seq = from_seq
     failures = 0
     stalled_since: float | None = None  # first failure since the last event (or the hole skipped)
+    terminal: runs_pb.RunEvent | None = None
     while True:
         try:
             stream = client.runs.StreamRunEvents(
@@ -213,8 +216,8 @@ def follow(client: Client, run_id: str, from_seq: int, *, on_event, on_missing=N
                 _STATE["next_seq"] = next_seq
                 failures, stalled_since = 0, None
                 if event.terminal:
-                    return event
-            return None  # the server ended the stream without a terminal event
+                    terminal = event  # the server sends the facts stored after it, then ends the call
+            return terminal
         except grpc.RpcError as err:
             if reason(err) == "STREAM_HOLE":
                 resume_at = _next_stored_seq(err, next_seq)

@@ -20,7 +20,7 @@ class SeqGate:
 
     def __init__(self, from_seq: int) -> None:
         self.next_seq = max(1, from_seq)
-        self.done = False
+        self.done = False  # the terminal event was sent (late facts stored after it may still follow)
 
     def offer(self, seq: int) -> Offer:
         """Classify an offered seq against what was already sent."""

@@ -90,7 +90,9 @@ class EventView:
 
     @property
     def terminal(self) -> bool:
-        """True for the run's last event."""
+        """True for the event that ends the run (RunCompleted, RunTerminated, RunRejected). It need not
+        be the run's last event: the budget records late facts after it (the outcome of a tool call
+        that was running when the run ended)."""
         return self.event_type in TERMINAL_EVENT_TYPES
 
 
