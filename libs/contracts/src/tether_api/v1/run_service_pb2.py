@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tether_api.v1 import types_pb2 as tether_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btether/v1/run_service.proto\x12\ttether.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15tether/v1/types.proto\"\x9d\x03\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x15\n\ragent_version\x18\x03 \x01(\x05\x12$\n\x06status\x18\x04 \x01(\x0e\x32\x14.tether.v1.RunStatus\x12\x0c\n\x04goal\x18\x05 \x01(\t\x12\x14\n\x0cprincipal_id\x18\x06 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.tether.v1.Usage\x12\r\n\x05steps\x18\t \x01(\x05\x12\x31\n\x0btermination\x18\n \x01(\x0b\x32\x1c.tether.v1.TerminationReport\x12/\n\x0b\x63reate_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08last_seq\x18\x0e \x01(\x03\"\xbc\x01\n\x10SubmitRunRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x08\x61gent_id\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x15\n\ragent_version\x18\x03 \x01(\x05\x12\x12\n\x04goal\x18\x04 \x01(\tB\x04\xe2\x41\x01\x02\x12\x1d\n\x04\x63\x61ps\x18\x05 \x01(\x0b\x32\x0f.tether.v1.Caps\x12\x32\n\x0f\x64\x65legated_scope\x18\x06 \x01(\x0b\x32\x19.tether.v1.DelegatedScope\"\x1f\n\x0e\x44\x65legatedScope\x12\r\n\x05tools\x18\x01 \x03(\t\":\n\x11SubmitRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\ragent_version\x18\x02 \x01(\x05\"%\n\rGetRunRequest\x12\x14\n\x06run_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"-\n\x0eGetRunResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.tether.v1.Run\"8\n\x0fListRunsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"I\n\x10ListRunsResponse\x12\x1c\n\x04runs\x18\x01 \x03(\x0b\x32\x0e.tether.v1.Run\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xb5\x01\n\x0bRunToolCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x11\n\ttool_name\x18\x02 \x01(\t\x12\x11\n\targs_json\x18\x03 \x01(\t\x12\x11\n\targs_hash\x18\x04 \x01(\t\x12\x0e\n\x06status\x18\x05 \x01(\t\x12\x13\n\x0bresult_json\x18\x06 \x01(\t\x12\x12\n\nerror_code\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x08 \x01(\t\x12\x13\n\x0b\x61pproval_id\x18\t \x01(\t\"\x81\x02\n\x07RunStep\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tether.v1.Usage\x12\x16\n\x0e\x61ssistant_text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12*\n\ntool_calls\x18\x06 \x03(\x0b\x32\x16.tether.v1.RunToolCall\x12.\n\nstart_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"R\n\x13ListRunStepsRequest\x12\x14\n\x06run_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"R\n\x14ListRunStepsResponse\x12!\n\x05steps\x18\x01 \x03(\x0b\x32\x12.tether.v1.RunStep\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xc7\x01\n\x08RunEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x10\n\x08\x65vent_id\x18\x03 \x01(\t\x12\x12\n\nevent_type\x18\x04 \x01(\t\x12/\n\x0brecord_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cpayload_json\x18\x06 \x01(\t\x12\x0c\n\x04hash\x18\x07 \x01(\t\x12\x11\n\tprev_hash\x18\x08 \x01(\t\x12\x10\n\x08terminal\x18\t \x01(\x08\"@\n\x16StreamRunEventsRequest\x12\x14\n\x06run_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x03\"=\n\x17StreamRunEventsResponse\x12\"\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x13.tether.v1.RunEvent\"8\n\x10\x43\x61ncelRunRequest\x12\x14\n\x06run_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x11\x43\x61ncelRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"*\n\x12GetRunTraceRequest\x12\x14\n\x06run_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"\xd3\x01\n\nTraceEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x12\n\nevent_type\x18\x02 \x01(\t\x12\x10\n\x08\x65vent_id\x18\x03 \x01(\t\x12/\n\x0brecord_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\toffset_ms\x18\x05 \x01(\x03\x12\x19\n\x11since_previous_ms\x18\x06 \x01(\x03\x12\x0c\n\x04step\x18\x07 \x01(\x05\x12\x0f\n\x07\x63\x61ll_id\x18\x08 \x01(\t\x12\x14\n\x0cpayload_json\x18\t \x01(\t\"\xa9\x01\n\tTraceSpan\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x05\x12\x0f\n\x07\x63\x61ll_id\x18\x04 \x01(\t\x12\x11\n\tstart_seq\x18\x05 \x01(\x03\x12\x0f\n\x07\x65nd_seq\x18\x06 \x01(\x03\x12\x17\n\x0fstart_offset_ms\x18\x07 \x01(\x03\x12\x13\n\x0b\x64uration_ms\x18\x08 \x01(\x03\x12\x0f\n\x07outcome\x18\t \x01(\t\"\xa6\x01\n\x13GetRunTraceResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.tether.v1.Run\x12%\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x15.tether.v1.TraceEvent\x12#\n\x05spans\x18\x03 \x03(\x0b\x32\x14.tether.v1.TraceSpan\x12\x13\n\x0b\x64uration_ms\x18\x04 \x01(\x03\x12\x11\n\ttruncated\x18\x05 \x01(\x08*\xd4\x01\n\tRunStatus\x12\x1a\n\x16RUN_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATUS_PENDING\x10\x01\x12\x16\n\x12RUN_STATUS_RUNNING\x10\x02\x12\x16\n\x12RUN_STATUS_WAITING\x10\x03\x12\x18\n\x14RUN_STATUS_COMPLETED\x10\x04\x12\x19\n\x15RUN_STATUS_TERMINATED\x10\x05\x12\x17\n\x13RUN_STATUS_REJECTED\x10\x06\x12\x15\n\x11RUN_STATUS_QUEUED\x10\x07\x32\x9b\x04\n\nRunService\x12\x46\n\tSubmitRun\x12\x1b.tether.v1.SubmitRunRequest\x1a\x1c.tether.v1.SubmitRunResponse\x12=\n\x06GetRun\x12\x18.tether.v1.GetRunRequest\x1a\x19.tether.v1.GetRunResponse\x12\x43\n\x08ListRuns\x12\x1a.tether.v1.ListRunsRequest\x1a\x1b.tether.v1.ListRunsResponse\x12O\n\x0cListRunSteps\x12\x1e.tether.v1.ListRunStepsRequest\x1a\x1f.tether.v1.ListRunStepsResponse\x12Z\n\x0fStreamRunEvents\x12!.tether.v1.StreamRunEventsRequest\x1a\".tether.v1.StreamRunEventsResponse0\x01\x12\x46\n\tCancelRun\x12\x1b.tether.v1.CancelRunRequest\x1a\x1c.tether.v1.CancelRunResponse\x12L\n\x0bGetRunTrace\x12\x1d.tether.v1.GetRunTraceRequest\x1a\x1e.tether.v1.GetRunTraceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btether/v1/run_service.proto\x12\ttether.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15tether/v1/types.proto\"\xc1\x03\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x15\n\ragent_version\x18\x03 \x01(\x05\x12$\n\x06status\x18\x04 \x01(\x0e\x32\x14.tether.v1.RunStatus\x12\x0c\n\x04goal\x18\x05 \x01(\t\x12\x14\n\x0cprincipal_id\x18\x06 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.tether.v1.Usage\x12\r\n\x05steps\x18\t \x01(\x05\x12\x31\n\x0btermination\x18\n \x01(\x0b\x32\x1c.tether.v1.TerminationReport\x12/\n\x0b\x63reate_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08last_seq\x18\x0e \x01(\x03\x12\x15\n\x08\x63hain_ok\x18\x0f \x01(\x08H\x00\x88\x01\x01\x42\x0b\n\t_chain_ok\"\xbc\x01\n\x10SubmitRunRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x08\x61gent_id\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x15\n\ragent_version\x18\x03 \x01(\x05\x12\x12\n\x04goal\x18\x04 \x01(\tB\x04\xe2\x41\x01\x02\x12\x1d\n\x04\x63\x61ps\x18\x05 \x01(\x0b\x32\x0f.tether.v1.Caps\x12\x32\n\x0f\x64\x65legated_scope\x18\x06 \x01(\x0b\x32\x19.tether.v1.DelegatedScope\"\x1f\n\x0e\x44\x65legatedScope\x12\r\n\x05tools\x18\x01 \x03(\t\":\n\x11SubmitRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\ragent_version\x18\x02 \x01(\x05\"%\n\rGetRunRequest\x12\x14\n\x06run_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"-\n\x0eGetRunResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.tether.v1.Run\"8\n\x0fListRunsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"I\n\x10ListRunsResponse\x12\x1c\n\x04runs\x18\x01 \x03(\x0b\x32\x0e.tether.v1.Run\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xb5\x01\n\x0bRunToolCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x11\n\ttool_name\x18\x02 \x01(\t\x12\x11\n\targs_json\x18\x03 \x01(\t\x12\x11\n\targs_hash\x18\x04 \x01(\t\x12\x0e\n\x06status\x18\x05 \x01(\t\x12\x13\n\x0bresult_json\x18\x06 \x01(\t\x12\x12\n\nerror_code\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x08 \x01(\t\x12\x13\n\x0b\x61pproval_id\x18\t \x01(\t\"\x81\x02\n\x07RunStep\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tether.v1.Usage\x12\x16\n\x0e\x61ssistant_text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12*\n\ntool_calls\x18\x06 \x03(\x0b\x32\x16.tether.v1.RunToolCall\x12.\n\nstart_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"R\n\x13ListRunStepsRequest\x12\x14\n\x06run_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"R\n\x14ListRunStepsResponse\x12!\n\x05steps\x18\x01 \x03(\x0b\x32\x12.tether.v1.RunStep\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xc7\x01\n\x08RunEvent\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12\x10\n\x08\x65vent_id\x18\x03 \x01(\t\x12\x12\n\nevent_type\x18\x04 \x01(\t\x12/\n\x0brecord_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0cpayload_json\x18\x06 \x01(\t\x12\x0c\n\x04hash\x18\x07 \x01(\t\x12\x11\n\tprev_hash\x18\x08 \x01(\t\x12\x10\n\x08terminal\x18\t \x01(\x08\"@\n\x16StreamRunEventsRequest\x12\x14\n\x06run_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x03\"=\n\x17StreamRunEventsResponse\x12\"\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x13.tether.v1.RunEvent\"8\n\x10\x43\x61ncelRunRequest\x12\x14\n\x06run_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x11\x43\x61ncelRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"*\n\x12GetRunTraceRequest\x12\x14\n\x06run_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"\xd3\x01\n\nTraceEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x12\n\nevent_type\x18\x02 \x01(\t\x12\x10\n\x08\x65vent_id\x18\x03 \x01(\t\x12/\n\x0brecord_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\toffset_ms\x18\x05 \x01(\x03\x12\x19\n\x11since_previous_ms\x18\x06 \x01(\x03\x12\x0c\n\x04step\x18\x07 \x01(\x05\x12\x0f\n\x07\x63\x61ll_id\x18\x08 \x01(\t\x12\x14\n\x0cpayload_json\x18\t \x01(\t\"\xa9\x01\n\tTraceSpan\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x05\x12\x0f\n\x07\x63\x61ll_id\x18\x04 \x01(\t\x12\x11\n\tstart_seq\x18\x05 \x01(\x03\x12\x0f\n\x07\x65nd_seq\x18\x06 \x01(\x03\x12\x17\n\x0fstart_offset_ms\x18\x07 \x01(\x03\x12\x13\n\x0b\x64uration_ms\x18\x08 \x01(\x03\x12\x0f\n\x07outcome\x18\t \x01(\t\"\xa6\x01\n\x13GetRunTraceResponse\x12\x1b\n\x03run\x18\x01 \x01(\x0b\x32\x0e.tether.v1.Run\x12%\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x15.tether.v1.TraceEvent\x12#\n\x05spans\x18\x03 \x03(\x0b\x32\x14.tether.v1.TraceSpan\x12\x13\n\x0b\x64uration_ms\x18\x04 \x01(\x03\x12\x11\n\ttruncated\x18\x05 \x01(\x08*\xd4\x01\n\tRunStatus\x12\x1a\n\x16RUN_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12RUN_STATUS_PENDING\x10\x01\x12\x16\n\x12RUN_STATUS_RUNNING\x10\x02\x12\x16\n\x12RUN_STATUS_WAITING\x10\x03\x12\x18\n\x14RUN_STATUS_COMPLETED\x10\x04\x12\x19\n\x15RUN_STATUS_TERMINATED\x10\x05\x12\x17\n\x13RUN_STATUS_REJECTED\x10\x06\x12\x15\n\x11RUN_STATUS_QUEUED\x10\x07\x32\x9b\x04\n\nRunService\x12\x46\n\tSubmitRun\x12\x1b.tether.v1.SubmitRunRequest\x1a\x1c.tether.v1.SubmitRunResponse\x12=\n\x06GetRun\x12\x18.tether.v1.GetRunRequest\x1a\x19.tether.v1.GetRunResponse\x12\x43\n\x08ListRuns\x12\x1a.tether.v1.ListRunsRequest\x1a\x1b.tether.v1.ListRunsResponse\x12O\n\x0cListRunSteps\x12\x1e.tether.v1.ListRunStepsRequest\x1a\x1f.tether.v1.ListRunStepsResponse\x12Z\n\x0fStreamRunEvents\x12!.tether.v1.StreamRunEventsRequest\x1a\".tether.v1.StreamRunEventsResponse0\x01\x12\x46\n\tCancelRun\x12\x1b.tether.v1.CancelRunRequest\x1a\x1c.tether.v1.CancelRunResponse\x12L\n\x0bGetRunTrace\x12\x1d.tether.v1.GetRunTraceRequest\x1a\x1e.tether.v1.GetRunTraceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,50 +48,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANCELRUNREQUEST'].fields_by_name['run_id']._serialized_options = b'\342A\001\002'
   _globals['_GETRUNTRACEREQUEST'].fields_by_name['run_id']._loaded_options = None
   _globals['_GETRUNTRACEREQUEST'].fields_by_name['run_id']._serialized_options = b'\342A\001\002'
-  _globals['_RUNSTATUS']._serialized_start=2688
-  _globals['_RUNSTATUS']._serialized_end=2900
+  _globals['_RUNSTATUS']._serialized_start=2724
+  _globals['_RUNSTATUS']._serialized_end=2936
   _globals['_RUN']._serialized_start=132
-  _globals['_RUN']._serialized_end=545
-  _globals['_SUBMITRUNREQUEST']._serialized_start=548
-  _globals['_SUBMITRUNREQUEST']._serialized_end=736
-  _globals['_DELEGATEDSCOPE']._serialized_start=738
-  _globals['_DELEGATEDSCOPE']._serialized_end=769
-  _globals['_SUBMITRUNRESPONSE']._serialized_start=771
-  _globals['_SUBMITRUNRESPONSE']._serialized_end=829
-  _globals['_GETRUNREQUEST']._serialized_start=831
-  _globals['_GETRUNREQUEST']._serialized_end=868
-  _globals['_GETRUNRESPONSE']._serialized_start=870
-  _globals['_GETRUNRESPONSE']._serialized_end=915
-  _globals['_LISTRUNSREQUEST']._serialized_start=917
-  _globals['_LISTRUNSREQUEST']._serialized_end=973
-  _globals['_LISTRUNSRESPONSE']._serialized_start=975
-  _globals['_LISTRUNSRESPONSE']._serialized_end=1048
-  _globals['_RUNTOOLCALL']._serialized_start=1051
-  _globals['_RUNTOOLCALL']._serialized_end=1232
-  _globals['_RUNSTEP']._serialized_start=1235
-  _globals['_RUNSTEP']._serialized_end=1492
-  _globals['_LISTRUNSTEPSREQUEST']._serialized_start=1494
-  _globals['_LISTRUNSTEPSREQUEST']._serialized_end=1576
-  _globals['_LISTRUNSTEPSRESPONSE']._serialized_start=1578
-  _globals['_LISTRUNSTEPSRESPONSE']._serialized_end=1660
-  _globals['_RUNEVENT']._serialized_start=1663
-  _globals['_RUNEVENT']._serialized_end=1862
-  _globals['_STREAMRUNEVENTSREQUEST']._serialized_start=1864
-  _globals['_STREAMRUNEVENTSREQUEST']._serialized_end=1928
-  _globals['_STREAMRUNEVENTSRESPONSE']._serialized_start=1930
-  _globals['_STREAMRUNEVENTSRESPONSE']._serialized_end=1991
-  _globals['_CANCELRUNREQUEST']._serialized_start=1993
-  _globals['_CANCELRUNREQUEST']._serialized_end=2049
-  _globals['_CANCELRUNRESPONSE']._serialized_start=2051
-  _globals['_CANCELRUNRESPONSE']._serialized_end=2086
-  _globals['_GETRUNTRACEREQUEST']._serialized_start=2088
-  _globals['_GETRUNTRACEREQUEST']._serialized_end=2130
-  _globals['_TRACEEVENT']._serialized_start=2133
-  _globals['_TRACEEVENT']._serialized_end=2344
-  _globals['_TRACESPAN']._serialized_start=2347
-  _globals['_TRACESPAN']._serialized_end=2516
-  _globals['_GETRUNTRACERESPONSE']._serialized_start=2519
-  _globals['_GETRUNTRACERESPONSE']._serialized_end=2685
-  _globals['_RUNSERVICE']._serialized_start=2903
-  _globals['_RUNSERVICE']._serialized_end=3442
+  _globals['_RUN']._serialized_end=581
+  _globals['_SUBMITRUNREQUEST']._serialized_start=584
+  _globals['_SUBMITRUNREQUEST']._serialized_end=772
+  _globals['_DELEGATEDSCOPE']._serialized_start=774
+  _globals['_DELEGATEDSCOPE']._serialized_end=805
+  _globals['_SUBMITRUNRESPONSE']._serialized_start=807
+  _globals['_SUBMITRUNRESPONSE']._serialized_end=865
+  _globals['_GETRUNREQUEST']._serialized_start=867
+  _globals['_GETRUNREQUEST']._serialized_end=904
+  _globals['_GETRUNRESPONSE']._serialized_start=906
+  _globals['_GETRUNRESPONSE']._serialized_end=951
+  _globals['_LISTRUNSREQUEST']._serialized_start=953
+  _globals['_LISTRUNSREQUEST']._serialized_end=1009
+  _globals['_LISTRUNSRESPONSE']._serialized_start=1011
+  _globals['_LISTRUNSRESPONSE']._serialized_end=1084
+  _globals['_RUNTOOLCALL']._serialized_start=1087
+  _globals['_RUNTOOLCALL']._serialized_end=1268
+  _globals['_RUNSTEP']._serialized_start=1271
+  _globals['_RUNSTEP']._serialized_end=1528
+  _globals['_LISTRUNSTEPSREQUEST']._serialized_start=1530
+  _globals['_LISTRUNSTEPSREQUEST']._serialized_end=1612
+  _globals['_LISTRUNSTEPSRESPONSE']._serialized_start=1614
+  _globals['_LISTRUNSTEPSRESPONSE']._serialized_end=1696
+  _globals['_RUNEVENT']._serialized_start=1699
+  _globals['_RUNEVENT']._serialized_end=1898
+  _globals['_STREAMRUNEVENTSREQUEST']._serialized_start=1900
+  _globals['_STREAMRUNEVENTSREQUEST']._serialized_end=1964
+  _globals['_STREAMRUNEVENTSRESPONSE']._serialized_start=1966
+  _globals['_STREAMRUNEVENTSRESPONSE']._serialized_end=2027
+  _globals['_CANCELRUNREQUEST']._serialized_start=2029
+  _globals['_CANCELRUNREQUEST']._serialized_end=2085
+  _globals['_CANCELRUNRESPONSE']._serialized_start=2087
+  _globals['_CANCELRUNRESPONSE']._serialized_end=2122
+  _globals['_GETRUNTRACEREQUEST']._serialized_start=2124
+  _globals['_GETRUNTRACEREQUEST']._serialized_end=2166
+  _globals['_TRACEEVENT']._serialized_start=2169
+  _globals['_TRACEEVENT']._serialized_end=2380
+  _globals['_TRACESPAN']._serialized_start=2383
+  _globals['_TRACESPAN']._serialized_end=2552
+  _globals['_GETRUNTRACERESPONSE']._serialized_start=2555
+  _globals['_GETRUNTRACERESPONSE']._serialized_end=2721
+  _globals['_RUNSERVICE']._serialized_start=2939
+  _globals['_RUNSERVICE']._serialized_end=3478
 # @@protoc_insertion_point(module_scope)

@@ -32,7 +32,7 @@ RUN_STATUS_REJECTED: RunStatus
 RUN_STATUS_QUEUED: RunStatus
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "agent_id", "agent_version", "status", "goal", "principal_id", "answer", "usage", "steps", "termination", "create_time", "update_time", "end_time", "last_seq")
+    __slots__ = ("run_id", "agent_id", "agent_version", "status", "goal", "principal_id", "answer", "usage", "steps", "termination", "create_time", "update_time", "end_time", "last_seq", "chain_ok")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class Run(_message.Message):
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
     END_TIME_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_OK_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     agent_id: str
     agent_version: int
@@ -61,7 +62,8 @@ class Run(_message.Message):
     update_time: _timestamp_pb2.Timestamp
     end_time: _timestamp_pb2.Timestamp
     last_seq: int
-    def __init__(self, run_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_version: _Optional[int] = ..., status: _Optional[_Union[RunStatus, str]] = ..., goal: _Optional[str] = ..., principal_id: _Optional[str] = ..., answer: _Optional[str] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., steps: _Optional[int] = ..., termination: _Optional[_Union[_types_pb2.TerminationReport, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    chain_ok: bool
+    def __init__(self, run_id: _Optional[str] = ..., agent_id: _Optional[str] = ..., agent_version: _Optional[int] = ..., status: _Optional[_Union[RunStatus, str]] = ..., goal: _Optional[str] = ..., principal_id: _Optional[str] = ..., answer: _Optional[str] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., steps: _Optional[int] = ..., termination: _Optional[_Union[_types_pb2.TerminationReport, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_seq: _Optional[int] = ..., chain_ok: _Optional[bool] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
     __slots__ = ("request_id", "agent_id", "agent_version", "goal", "caps", "delegated_scope")

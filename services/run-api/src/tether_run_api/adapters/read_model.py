@@ -68,6 +68,7 @@ def _run(row: dict[str, Any]) -> RunView:
         updated_at_ms=row.get("updated_at_ms") or 0,
         ended_at_ms=row.get("ended_at_ms"),
         last_seq=row.get("last_seq") or 0,
+        chain_ok=row.get("chain_ok"),
     )
 
 

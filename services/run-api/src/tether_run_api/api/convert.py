@@ -189,6 +189,7 @@ def run_pb(r: RunView) -> runs_pb.Run:
         update_time=ts(r.updated_at_ms or None),
         end_time=ts(r.ended_at_ms),
         last_seq=r.last_seq,
+        chain_ok=r.chain_ok,
     )
 
 

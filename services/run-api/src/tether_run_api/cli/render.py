@@ -66,6 +66,9 @@ def show_run(run: runs_pb.Run) -> None:
     console.print(f"  steps     {run.steps}   events {run.last_seq}   "
                   f"tokens {run.usage.input_tokens}+{run.usage.output_tokens}   cost {usd(run.usage.cost_usd_micros)}")
     console.print(f"  created   {when(run.create_time)}   ended {when(run.end_time)}")
+    if run.HasField("chain_ok") and not run.chain_ok:
+        console.print(f"[bold red]chain broken[/]: the run's event log fails its hash-chain check; "
+                      f"investigate: tether audit verify --run {run.run_id}")
     if run.answer:
         console.print("[bold]answer[/]")
         console.print(run.answer, markup=False)

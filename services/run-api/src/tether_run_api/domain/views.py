@@ -44,6 +44,7 @@ class RunView:
     updated_at_ms: int = 0
     ended_at_ms: int | None = None
     last_seq: int = 0
+    chain_ok: bool | None = None  # the projector's hash-chain check of the run's events; None: not projected yet
 
 
 @dataclass(frozen=True)
