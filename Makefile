@@ -26,7 +26,7 @@ PYTEST_ARGS ?=
 # `make run` hands over to this script once it exists (the agent demo run).
 RUN_DEMO ?= $(ROOT)/deploy/local/run-demo
 
-.PHONY: help setup up down services-down status test run generate bench chaos
+.PHONY: help setup up down services-down status test run generate bench chaos image
 
 help:
 	@echo "make run       set up, start the local stack, run the demo"
@@ -39,6 +39,7 @@ help:
 	@echo "make generate  regenerate code derived from schemas/ and proto/"
 	@echo "make bench     start the stack and Tether, measure it under load (BENCH_SCALE=3 for longer; docs/benchmarks.md)"
 	@echo "make chaos     runs under SIGKILLs and broker/database restarts, then the invariant check (CHAOS_SECONDS=120)"
+	@echo "make image     build the image the helm chart runs with docker or podman (IMAGE=repo:tag)"
 
 setup:
 	@$(ROOT)/deploy/local/setup.sh
@@ -85,3 +86,17 @@ bench: up
 
 chaos: up
 	cd $(ROOT) && CHAOS_SECONDS=$(CHAOS_SECONDS) $(VENV)/bin/python -m tether_bench.chaos
+
+# The image deploy/helm/tether deploys (Dockerfile); by default the chart's own image.repository:tag.
+IMAGE ?= ghcr.io/tether/tether:0.1.0
+CONTAINER_ENGINE ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
+
+image:
+	@if [ -z "$(CONTAINER_ENGINE)" ]; then \
+	  echo "make image: no container engine (neither docker nor podman is on PATH); install one or set CONTAINER_ENGINE=/path/to/docker" >&2; \
+	  exit 1; \
+	fi
+	@$(CONTAINER_ENGINE) info >/dev/null 2>&1 || { \
+	  echo "make image: $(CONTAINER_ENGINE) is installed but cannot reach its daemon/socket ($(CONTAINER_ENGINE) info fails)" >&2; \
+	  exit 1; }
+	cd $(ROOT) && $(CONTAINER_ENGINE) build -f Dockerfile -t $(IMAGE) .
