@@ -261,3 +261,130 @@ def test_services_take_their_own_env_and_secrets():
     assert "envFrom" not in containers["budget"]
     with pytest.raises(Exception, match="name"):
         _render({"services": {"approval": {"env": [{"value": "x"}]}}})
+
+
+def test_the_prometheus_operator_scrapes_every_pod_and_selects_by_extra_labels():
+    assert not [d for d in _render() if d["kind"] == "PodMonitor"]
+    docs = _render({"monitoring": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}},
+                                   "rules": {"enabled": True, "labels": {"release": "kps", "team": "agents"}}}})
+    monitor = next(d for d in docs if d["kind"] == "PodMonitor")
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert rule["metadata"]["labels"]["release"] == "kps" and rule["metadata"]["labels"]["team"] == "agents"
+    assert rule["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tether"  # the chart's own stay
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["agents"]}
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    for name, workload in _workloads(docs).items():
+        template = workload["spec"]["template"]
+        assert selector.items() <= template["metadata"]["labels"].items(), name
+        ports = {p["name"] for p in template["spec"]["containers"][0]["ports"]}
+        assert "metrics" in ports, name
+    with pytest.raises(Exception, match="labels|type"):
+        _render({"monitoring": {"podMonitor": {"enabled": True, "labels": {"release": 1}}}})
+
+
+def test_autoscaling_refuses_a_minimum_above_its_maximum():
+    # KEDA refuses minReplicaCount > maxReplicaCount, and the workload has no replica count then
+    with pytest.raises(Exception, match="minReplicaCount.*maxReplicaCount"):
+        _render({"autoscaling": {"enabled": True}, "services": {"planner": {"replicas": 16}}})
+    with pytest.raises(Exception, match="maxReplicaCount"):
+        _render({"autoscaling": {"enabled": True, "maxReplicas": 2}})  # planner: 3 replicas
+    docs = _render({"autoscaling": {"enabled": True}, "services": {"planner": {"replicas": 12}}})
+    planner = next(d for d in docs if d["kind"] == "ScaledObject" and d["metadata"]["name"] == "tether-planner")
+    assert planner["spec"]["minReplicaCount"] == planner["spec"]["maxReplicaCount"] == 12
+
+
+def test_a_consumer_group_never_gets_more_replicas_than_partitions():
+    for service in ("planner", "budget", "tool-gateway", "approval", "projector"):
+        with pytest.raises(Exception, match=f"services.{service}.replicas .*kafka.partitions"):
+            _render({"services": {service: {"replicas": 25}}})
+    # run-api is no consumer group member: it scales past the partitions
+    assert _workloads(_render({"services": {"run-api": {"replicas": 30}}}))["run-api"]["spec"]["replicas"] == 30
+    assert _workloads(_render({"services": {"planner": {"replicas": 24}}}))["planner"]["spec"]["replicas"] == 24
+
+
+def _redis_readers() -> set[str]:
+    """The services whose code reads settings.redis_url."""
+    services = CHART.parents[2] / "services"
+    return {d.name for d in services.iterdir()
+            if any("redis_url" in f.read_text() for f in d.glob("src/**/*.py"))}
+
+
+def test_the_redis_url_reaches_only_its_readers_and_from_a_secret():
+    readers = _redis_readers()
+    assert readers == {"projector", "run-api", "tool-gateway"}, readers
+    plain = {n: _env(w["spec"]["template"]["spec"]["containers"][0]).get("TETHER_REDIS_URL")
+             for n, w in _workloads(_render()).items()}
+    assert {n for n, e in plain.items() if e} == readers
+    assert all(plain[n] == {"name": "TETHER_REDIS_URL", "value": "redis://redis:6379/0"} for n in readers)
+    docs = _render({"redis": {"urlSecret": "tether-redis", "url": "redis://:unused@redis:6379/0"}})
+    for doc in docs:
+        _validate(doc)
+    for name, workload in _workloads(docs).items():
+        env = _env(workload["spec"]["template"]["spec"]["containers"][0])
+        if name in readers:
+            assert env["TETHER_REDIS_URL"] == {"name": "TETHER_REDIS_URL",
+                                               "valueFrom": {"secretKeyRef": {"name": "tether-redis", "key": "url"}}}
+        else:
+            assert "TETHER_REDIS_URL" not in env, name
+    assert "unused" not in yaml.safe_dump_all(docs)
+    # a password in clear is refused, not rendered into the pods
+    for url in ("redis://:s3cret@redis:6379/0", "rediss://user:s3cret@redis:6380/0"):
+        with pytest.raises(Exception, match="redis.urlSecret") as refused:
+            _render({"redis": {"url": url}})
+        assert "s3cret" not in str(refused.value)
+
+
+def test_the_grace_period_is_a_value_per_service():
+    graces = {n: w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] for n, w in _workloads(_render()).items()}
+    # the gateway lets a 15-minute tool call end; the others commit, hand over and close within it
+    assert graces == {"run-api": 45, "budget": 45, "planner": 45, "tool-gateway": 930, "approval": 45, "projector": 45}
+    docs = _render({"terminationGracePeriodSeconds": 60,
+                    "services": {"planner": {"terminationGracePeriodSeconds": 660},
+                                 "tool-gateway": {"terminationGracePeriodSeconds": 0}}})
+    for doc in docs:
+        _validate(doc)
+    graces = {n: w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] for n, w in _workloads(docs).items()}
+    assert graces == {"run-api": 60, "budget": 60, "planner": 660, "tool-gateway": 0, "approval": 60, "projector": 60}
+    with pytest.raises(Exception, match="terminationGracePeriodSeconds"):
+        _render({"services": {"planner": {"terminationGracePeriodSeconds": -1}}})
+
+
+def test_keda_watches_every_topic_a_scaled_service_consumes():
+    from tether_messaging.topics import COMMANDS, RUN_EVENTS, RUN_INTAKE
+
+    docs = _render({"autoscaling": {"enabled": True}})
+    topics = {d["metadata"]["name"].removeprefix("tether-"): [t["metadata"]["topic"] for t in d["spec"]["triggers"]]
+              for d in docs if d["kind"] == "ScaledObject"}
+    # the processors' inputs (budget: entrypoint.py; planner, tool-gateway: the run log)
+    assert {k: set(v) for k, v in topics.items()} == {
+        "budget": {COMMANDS, RUN_INTAKE}, "planner": {RUN_EVENTS}, "tool-gateway": {RUN_EVENTS}}
+    assert len(topics["budget"]) == 2
+    budget = next(d for d in docs if d["kind"] == "ScaledObject" and d["metadata"]["name"] == "tether-budget")
+    assert {t["metadata"]["consumerGroup"] for t in budget["spec"]["triggers"]} == {"budget"}
+    # one topic may still be given as a string
+    docs = _render({"autoscaling": {"enabled": True, "targets": {"approval": COMMANDS}}})
+    approval = next(d for d in docs if d["kind"] == "ScaledObject" and d["metadata"]["name"] == "tether-approval")
+    assert [t["metadata"]["topic"] for t in approval["spec"]["triggers"]] == [COMMANDS]
+
+
+def _satisfies(constraint: str, version: str) -> bool:
+    """`version` against a `>=X.Y.Z-0` constraint as helm reads it (the -0 admits pre-releases
+    such as cloud builds, v1.28.3-eks-1234)."""
+    floor = re.fullmatch(r">=\s*v?(\d+)\.(\d+)\.(\d+)-0", constraint)
+    assert floor, constraint
+    have = re.match(r"v?(\d+)\.(\d+)\.(\d+)", version)
+    return tuple(map(int, have.groups())) >= tuple(map(int, floor.groups()))
+
+
+def test_the_chart_requires_the_kubernetes_that_labels_pods_with_their_index():
+    # INSTANCE_ID comes from apps.kubernetes.io/pod-index, set on pods from Kubernetes 1.28
+    planner = _workloads(_render())["planner"]["spec"]["template"]["spec"]["containers"][0]
+    assert "pod-index" in _env(planner)["TETHER_PLANNER_INSTANCE_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    constraint = helm.Chart.load(CHART).metadata.get("kubeVersion", "")
+    assert constraint, "Chart.yaml names no kubeVersion"
+    assert not _satisfies(constraint, "v1.27.9") and not _satisfies(constraint, "v1.27.3-eks-1234")
+    assert _satisfies(constraint, "v1.28.0") and _satisfies(constraint, "v1.28.3-gke.100")
+    assert _satisfies(constraint, KUBE_VERSION)

@@ -12,13 +12,32 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
   value: {{ .Values.kafka.partitions | quote }}
 - name: TETHER_TOPIC_REPLICATION_FACTOR
   value: {{ .Values.kafka.replicationFactor | quote }}
-- name: TETHER_REDIS_URL
-  value: {{ .Values.redis.url | quote }}
 - name: TETHER_PG_DSN
   valueFrom:
     secretKeyRef:
       name: {{ .Values.postgres.dsnSecret }}
       key: dsn
+{{- end -}}
+
+{{/* TETHER_REDIS_URL, for the services that read it (services.<name>.needsRedis): from the Secret
+redis.urlSecret (key `url`) when set, else redis.url, which may not hold credentials. */}}
+{{- define "tether.redisEnv" -}}
+{{- if .Values.redis.urlSecret -}}
+- name: TETHER_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.urlSecret }}
+      key: url
+{{- else -}}
+{{- if regexMatch "^[^:/]+://[^/]*@" (.Values.redis.url | default "") -}}
+{{- fail "redis.url holds credentials (user or password before '@'): put the URL in a Secret under key `url` and set redis.urlSecret to its name" -}}
+{{- end -}}
+{{- if not .Values.redis.url -}}
+{{- fail "redis.url or redis.urlSecret must be set: run-api, tool-gateway and the projector read Redis" -}}
+{{- end -}}
+- name: TETHER_REDIS_URL
+  value: {{ .Values.redis.url | quote }}
+{{- end -}}
 {{- end -}}
 
 
