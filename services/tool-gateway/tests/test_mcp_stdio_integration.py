@@ -213,6 +213,37 @@ def test_a_call_the_server_refuses_with_a_json_rpc_error_is_a_failure_whatever_t
     assert "refused: bad arguments" in outcome.detail
 
 
+#: A bare MCP server (the system python3) whose tools/call starts three processes that spin: together they
+#: reach the sandbox's CPU limit long before any of them reaches its own RLIMIT_CPU.
+CPU_BURNING_SERVER = """
+import json, os, sys
+def send(o): print(json.dumps(o), flush=True)
+for line in sys.stdin:
+    msg = json.loads(line)
+    if msg.get("method") == "server/discover":
+        send({"jsonrpc": "2.0", "id": msg["id"], "error": {"code": -32601, "message": "Method not found"}})
+    elif msg.get("method") == "initialize":
+        result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "burning", "version": "0"}}
+        send({"jsonrpc": "2.0", "id": msg["id"], "result": result})
+    elif msg.get("method") == "tools/call":
+        for _ in range(3):
+            if os.fork() == 0:
+                while True:
+                    pass
+        os.wait()
+"""
+
+
+def test_a_server_killed_at_the_sandboxs_cpu_limit_is_a_cpu_limit_error_not_retried(env):
+    server = StdioServer(command=("/usr/bin/python3", "-c", CPU_BURNING_SERVER), limits={"cpu_seconds": 2})
+    [spec] = tool_specs_from_mcp_stdio(server, [_declared("anything")], timeout_ms=CALL_TIMEOUT_MS)
+    outcome = env.run(spec.model_copy(update={"idempotent": True}), {})
+    # Run again, it would burn the same CPU again: not retryable, and it says which limit.
+    assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR", outcome
+    assert "CPU limit" in outcome.detail and "CPU_LIMIT" in outcome.detail and not outcome.retryable
+
+
 def test_garbage_on_stdout_is_an_invalid_result(env, demo):
     tool = stdio_tool(demo, "add", env={**demo.env, "DEMO_BANNER": "demo server 1.0 starting..."})
     outcome = env.run(tool, {"a": 1, "b": 2})

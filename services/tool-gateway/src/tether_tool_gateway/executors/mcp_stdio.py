@@ -14,8 +14,8 @@ Each call starts the server in a fresh sandbox (tether_security.SandboxRunner.st
 network, uid 65534, rlimits, seccomp, a wall clock), speaks MCP to it over its stdin/stdout with the
 `mcp` SDK's client session, calls `tools/call` once, and kills the sandbox: nothing a call leaves
 behind reaches the next. Errors map as for the streamable HTTP executor (mcp_tool.transport_error),
-plus what only a process can do: exit before answering (TOOL_ERROR) or fail to start
-(EXECUTOR_UNAVAILABLE).
+plus what only a process can do: exit before answering (TOOL_ERROR), be killed at the sandbox's CPU
+limit (TOOL_ERROR "CPU_LIMIT", not retryable) or fail to start (EXECUTOR_UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -250,6 +250,11 @@ def _session_error_kind(exc: BaseException, channel: SandboxedStdio, end: Sandbo
         return transport_error(channel.problem, what)
     if end is not None and end.setup_failed:
         return _with_stderr(ToolError("EXECUTOR_UNAVAILABLE", "the sandbox could not start the MCP server"), end)
+    if end is not None and (end.cpu_limit_hit or end.killed_by_signal == signal.SIGXCPU):
+        # Run again, it would use the same CPU again: the server (or its limits) must change.
+        return _with_stderr(ToolError("TOOL_ERROR", f"the MCP server was killed at the sandbox's CPU limit "
+                                                    f"(CPU_LIMIT, {end.cpu_seconds:.1f} s used) before it "
+                                                    f"answered {what}", retryable=False), end)
     if end is not None and end.timed_out:
         return ToolError("TIMEOUT", f"the MCP server did not answer {what} in time (the sandbox's wall clock)",
                          retryable=True)

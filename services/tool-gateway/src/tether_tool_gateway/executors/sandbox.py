@@ -3,8 +3,9 @@
 The sandbox (tether_security.SandboxRunner) has no network, a read-only system, a private
 size-capped work dir and /tmp, uid 65534, an empty environment (no secrets), rlimits on CPU,
 memory, processes and file size, and a wall clock the parent enforces. The script's exit status
-and output are the result (a non-zero exit is a result the model can act on); a limit the
-sandbox enforced (time, CPU, memory, processes, output) or a signal is a tool error.
+and output are the result (a non-zero exit is a result the model can act on, with `limit_hit`
+naming a limit its stderr mentions, e.g. a MemoryError it met and exited on); a limit the sandbox
+enforced (time, CPU, memory, processes, output) or a signal is a tool error.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class SandboxExecutor:
         except InvalidSandboxRequest as exc:
             raise ToolError("TOOL_ERROR", f"invalid sandbox request: {exc}") from exc
         if result.error_code is None or result.error_code is SandboxErrorCode.NONZERO_EXIT:
-            return {
+            out = {
                 "exit_code": result.exit_code,
                 "stdout": result.stdout.decode("utf-8", errors="replace"),
                 "stderr": result.stderr.decode("utf-8", errors="replace"),
@@ -73,6 +74,11 @@ class SandboxExecutor:
                 "stderr_truncated": result.stderr_truncated,
                 "duration_ms": int(result.duration_seconds * 1000),
             }
+            if result.limit_hit:
+                # Only a hint (read from stderr): the script may have met a limit and exited on it itself,
+                # so the model should make it use less rather than just run it again.
+                out["limit_hit"] = result.limit_hit
+            return out
         code = "TIMEOUT" if result.error_code is SandboxErrorCode.TIMEOUT else "TOOL_ERROR"
         detail = (f"sandbox {result.error_code.value}"
                   + (f" (limit: {result.limit_hit})" if result.limit_hit else "")
