@@ -121,7 +121,7 @@ def _flatten(exc: BaseException) -> BaseException:
     return exc
 
 
-def _find(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+def _find(exc: BaseException, kind: type[BaseException] | tuple[type[BaseException], ...]) -> BaseException | None:
     seen: list[BaseException] = [exc]
     while seen:
         cur = seen.pop()
@@ -180,15 +180,36 @@ class McpToolExecutor:
 
     async def _call(self, url: httpx.URL, headers: dict[str, str], remote: str, args: dict[str, Any],
                     idem_key: str, timeout: float, max_bytes: int) -> Any:
+        calling = False  # the session is open and tools/call is on its way: the server may act on it
         try:
             with anyio.fail_after(timeout):
                 async with _client(url, headers, timeout, max_bytes) as client:
+                    calling = True
                     result = await client.call_tool(remote, args, meta={IDEMPOTENCY_META_KEY: idem_key})
         except ToolError:
             raise
         except Exception as exc:  # transport, protocol (MCPError) and timeouts alike
-            raise transport_error(exc, f"tools/call {remote!r}") from exc
+            error = transport_error(exc, f"tools/call {remote!r}")
+            error.effect_unknown = calling and call_may_have_arrived(exc)
+            raise error from exc
         return call_result(remote, result)
+
+
+#: Failures that sent nothing: no connection was made, or none was free to send the request on.
+_NOTHING_SENT = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)
+
+
+def call_may_have_arrived(exc: BaseException) -> bool:
+    """Whether a tools/call that failed with `exc` may have reached the server and taken effect.
+
+    A connection cut or timed out after the request went out (RemoteProtocolError, ReadError,
+    WriteError, ReadTimeout, WriteTimeout, the SDK's CONNECTION_CLOSED when a stream ends without
+    the answer) or an answer that could not be read (oversized, not JSON-RPC) leaves it unknown:
+    the server may have done the work. Only a connection never made, or the server's own JSON-RPC
+    error answer, says it did not."""
+    if _find(exc, _NOTHING_SENT) is not None:
+        return False
+    return not server_refused(exc)
 
 
 def call_result(remote: str, result: CallToolResult) -> dict[str, Any]:
