@@ -244,6 +244,37 @@ def test_a_server_killed_at_the_sandboxs_cpu_limit_is_a_cpu_limit_error_not_retr
     assert "CPU limit" in outcome.detail and "CPU_LIMIT" in outcome.detail and not outcome.retryable
 
 
+#: A bare MCP server whose tools/call floods the client with pings and never reads its stdin again.
+PING_FLOODING_SERVER = """
+import json, sys, time
+out = sys.stdout.buffer
+def send(o): out.write(json.dumps(o).encode() + b"\\n"); out.flush()
+while True:
+    msg = json.loads(sys.stdin.readline())
+    if msg.get("method") == "server/discover":
+        send({"jsonrpc": "2.0", "id": msg["id"], "error": {"code": -32601, "message": "Method not found"}})
+    elif msg.get("method") == "initialize":
+        result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "flooding", "version": "0"}}
+        send({"jsonrpc": "2.0", "id": msg["id"], "result": result})
+    elif msg.get("method") == "tools/call":
+        break
+out.write(b"".join(b'{"jsonrpc":"2.0","id":%d,"method":"ping"}\\n' % (10**6 + i) for i in range(5000)))
+out.flush()
+time.sleep(600)
+"""
+
+
+def test_a_server_that_floods_requests_ends_the_session_at_once(env):
+    # Each request from the server was answered by an SDK task of its own, waiting on the server's
+    # full stdin: the gateway's memory grew with the flood until the call's timeout.
+    server = StdioServer(command=("/usr/bin/python3", "-c", PING_FLOODING_SERVER))
+    [spec] = tool_specs_from_mcp_stdio(server, [_declared("anything")], timeout_ms=30_000)
+    outcome = env.run(spec.model_copy(update={"idempotent": True}), {})
+    assert isinstance(outcome, Failed) and outcome.error_code == "INVALID_RESULT", outcome
+    assert "too many requests from the server" in outcome.detail
+
+
 def test_garbage_on_stdout_is_an_invalid_result(env, demo):
     tool = stdio_tool(demo, "add", env={**demo.env, "DEMO_BANNER": "demo server 1.0 starting..."})
     outcome = env.run(tool, {"a": 1, "b": 2})

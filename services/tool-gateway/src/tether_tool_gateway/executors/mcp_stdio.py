@@ -68,6 +68,8 @@ _DEADLINE_MARGIN_S = 0.25
 #: The sandbox's own wall clock is a backstop behind the session's deadline (which ends the call first).
 _WALL_BACKSTOP_S = 1.0
 _READ_CHUNK = 65536
+#: Requests a server may send in one session; past this the session ends (INVALID_RESULT).
+MAX_SERVER_REQUESTS = 32
 
 T = TypeVar("T")
 
@@ -108,9 +110,10 @@ class SandboxedStdio:
 
     The SDK's `stdio_client` spawns its own process and cannot pass bwrap the descriptors it
     needs, so this is the same two pipe tasks over a process SandboxRunner started. Unlike the
-    SDK it is strict: a message longer than `max_message_bytes` (OversizedAnswer) or a line that
-    is not a JSON-RPC message (InvalidServerOutput; the protocol allows nothing else on stdout)
-    ends the session at once, and `problem` says which. `streams()` is the `Transport` to hand to
+    SDK it is strict: a message longer than `max_message_bytes` (OversizedAnswer), a line that
+    is not a JSON-RPC message (InvalidServerOutput; the protocol allows nothing else on stdout) or
+    more than MAX_SERVER_REQUESTS requests from the server (InvalidServerOutput) ends the session
+    at once, and `problem` says which. `streams()` is the `Transport` to hand to
     `mcp.Client`; leaving it kills the sandbox.
     """
 
@@ -120,6 +123,8 @@ class SandboxedStdio:
         self.problem: Exception | None = None
         #: A tools/call request was written whole to the server's stdin: from then on it may act on it.
         self.call_sent = False
+        #: Requests the server sent us (pings: nothing else is offered to it), up to MAX_SERVER_REQUESTS.
+        self.server_requests = 0
 
     @asynccontextmanager
     async def streams(self) -> AsyncIterator[tuple[MemoryObjectReceiveStream[SessionMessage | Exception],
@@ -183,12 +188,24 @@ class SandboxedStdio:
             self._fail(OversizedAnswer(f"the MCP server sent a message larger than {self.max_message_bytes} bytes"))
             return None
         try:
-            return SessionMessage(mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False))
+            message = mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False)
         except ValueError:
             shown = head_of(line)  # whole up to a bound: the runner redacts it, then shortens it
             self._fail(InvalidServerOutput(f"the MCP server wrote a line to stdout that is not a JSON-RPC message "
                                            f"(the protocol allows nothing else there): {shown!r}"))
             return None
+        if isinstance(message, mcp_types.JSONRPCRequest):
+            # The SDK answers each request from the server in a task of its own, which waits on the
+            # server's stdin: a server that floods requests and never reads would grow them (and our
+            # memory) without bound. The client declares no sampling, roots or elicitation, so only a
+            # few pings are the server's to send.
+            self.server_requests += 1
+            if self.server_requests > MAX_SERVER_REQUESTS:
+                self._fail(InvalidServerOutput(f"too many requests from the server (more than {MAX_SERVER_REQUESTS} "
+                                               f"in one session; the gateway offers no sampling, roots or "
+                                               f"elicitation)"))
+                return None
+        return SessionMessage(message)
 
     def _fail(self, problem: Exception) -> None:
         if self.problem is None:
