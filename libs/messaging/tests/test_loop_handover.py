@@ -32,8 +32,9 @@ PARTITIONS = 4
 REMAINING = Remaining(steps=0, tokens=0, cost_usd_micros=0, wall_clock_ms=0)
 #: Input 7 of each run starts work (eos_processor.WORK_EVERY). In the graceful-stop test it runs
 #: this long, so the stop comes mid-way; in the join test it runs until the first member's revoke
-#: (a fixed time was too short on a loaded machine: the second member's transactional init and
-#: join can take longer than the work, and the work was then done before anything moved).
+#: (hand-over: until a second after the revoke began, so the revoke has to wait for it). A fixed
+#: time was too short on a loaded machine: the second member's transactional init and join can
+#: take longer than the work, and the work was then done before anything moved.
 WORK_S = 6.0
 INPUTS = 10
 
@@ -144,10 +145,13 @@ def test_a_member_joining_does_not_make_running_work_run_twice(kafka_bootstrap: 
     revoke = first._on_revoke
 
     def on_revoke(consumer, partitions) -> None:  # noqa: ANN001 - librdkafka's callback
-        # Handing over: the work finishes while the revoke waits for it. Giving up at once: only
-        # after the revoke, so nothing of it can be committed before the partitions move.
+        # Handing over: the work finishes a second after the revoke began, so only a revoke that
+        # waits for running work (revoke_drain_ms) can commit its outcome before the partitions
+        # move. Giving up at once: only after the revoke, so nothing of it can be committed first.
         if handed_over:
-            release.set()
+            timer = threading.Timer(1.0, release.set)
+            timer.daemon = True
+            timer.start()
         revoke(consumer, partitions)
         release.set()
 
