@@ -534,19 +534,14 @@ class Postgres(Component):
         data = root / "data"
         run_as = self._run_as()
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8", "HOME": str(root)}
-        if not (data / "PG_VERSION").is_file():
-            init = subprocess.run(
-                [str(self.bindir / "initdb"), "-D", str(data), "-U", "tether", "--auth=trust",
-                 "--no-locale", "-E", "UTF8", "--no-instructions"],
-                stdin=subprocess.DEVNULL, capture_output=True, text=True, cwd=root, env=env, **run_as)
-            if init.returncode != 0:
-                raise StackError(f"postgres: initdb in {data} failed:\n{init.stdout}{init.stderr}")
-            (data / "pg_hba.conf").write_text(
-                "# Written by deploy/local/stack.py: the local dev cluster trusts user tether on loopback.\n"
-                "local  all  tether                 trust\n"
-                "host   all  tether  127.0.0.1/32   trust\n")
-            if run_as:
-                os.chown(data / "pg_hba.conf", run_as["user"], run_as["group"])
+        if not data.exists():
+            self._init_cluster(root, data, env, run_as)
+        elif not self._complete(data):
+            raise StackError(
+                f"postgres: {data} is not a complete cluster (an initdb that was cut short by an older "
+                f"stack.py leaves only part of one, and PostgreSQL cannot start from it). Delete it with "
+                f"`python3 {Path(__file__).resolve()} purge postgres` (the local dev database and nothing "
+                f"else), then `make up` again")
         socket_dir = root / "run"
         socket_dir.mkdir(exist_ok=True, mode=0o700)
         if run_as:
@@ -556,6 +551,29 @@ class Postgres(Component):
                       "-p", str(self.s.pg_port), "-c", f"unix_socket_directories={socket_dir}"],
                      log, cwd=root, env=env, **run_as)
         return proc.pid, log
+
+    @staticmethod
+    def _complete(data: Path) -> bool:
+        # initdb writes PG_VERSION first and pg_control only once the bootstrap has run.
+        return (data / "PG_VERSION").is_file() and (data / "global" / "pg_control").is_file()
+
+    def _init_cluster(self, root: Path, data: Path, env: dict[str, str], run_as: dict) -> None:
+        """initdb into data.partial, then rename it to data: a cut-short initdb never looks like a cluster."""
+        partial = root / "data.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        init = subprocess.run(
+            [str(self.bindir / "initdb"), "-D", str(partial), "-U", "tether", "--auth=trust",
+             "--no-locale", "-E", "UTF8", "--no-instructions"],
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, cwd=root, env=env, **run_as)
+        if init.returncode != 0:
+            raise StackError(f"postgres: initdb in {partial} failed:\n{init.stdout}{init.stderr}")
+        (partial / "pg_hba.conf").write_text(
+            "# Written by deploy/local/stack.py: the local dev cluster trusts user tether on loopback.\n"
+            "local  all  tether                 trust\n"
+            "host   all  tether  127.0.0.1/32   trust\n")
+        if run_as:
+            os.chown(partial / "pg_hba.conf", run_as["user"], run_as["group"])
+        partial.rename(data)
 
     def _psql(self, sql: str, db: str = "postgres") -> subprocess.CompletedProcess:
         return subprocess.run(
