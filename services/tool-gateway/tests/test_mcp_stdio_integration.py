@@ -213,25 +213,32 @@ def test_a_call_the_server_refuses_with_a_json_rpc_error_is_a_failure_whatever_t
     assert "refused: bad arguments" in outcome.detail
 
 
-#: A bare MCP server (the system python3) whose tools/call starts three processes that spin: together they
-#: reach the sandbox's CPU limit long before any of them reaches its own RLIMIT_CPU.
-CPU_BURNING_SERVER = """
-import json, os, sys
-def send(o): print(json.dumps(o), flush=True)
-for line in sys.stdin:
-    msg = json.loads(line)
+#: A bare MCP server's start (the system python3, no SDK): it answers the handshake and stops reading
+#: at the tools/call; what follows is the server's misbehaviour.
+UNTIL_THE_CALL = """
+import json, os, sys, time
+out = sys.stdout.buffer
+def send(o): out.write(json.dumps(o).encode() + b"\\n"); out.flush()
+while True:
+    msg = json.loads(sys.stdin.readline())
     if msg.get("method") == "server/discover":
         send({"jsonrpc": "2.0", "id": msg["id"], "error": {"code": -32601, "message": "Method not found"}})
     elif msg.get("method") == "initialize":
         result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities": {"tools": {}},
-                  "serverInfo": {"name": "burning", "version": "0"}}
+                  "serverInfo": {"name": "bare", "version": "0"}}
         send({"jsonrpc": "2.0", "id": msg["id"], "result": result})
     elif msg.get("method") == "tools/call":
-        for _ in range(3):
-            if os.fork() == 0:
-                while True:
-                    pass
-        os.wait()
+        break
+"""
+
+#: Three processes that spin: together they reach the sandbox's CPU limit long before any of them
+#: reaches its own RLIMIT_CPU.
+CPU_BURNING_SERVER = UNTIL_THE_CALL + """
+for _ in range(3):
+    if os.fork() == 0:
+        while True:
+            pass
+os.wait()
 """
 
 
@@ -244,21 +251,8 @@ def test_a_server_killed_at_the_sandboxs_cpu_limit_is_a_cpu_limit_error_not_retr
     assert "CPU limit" in outcome.detail and "CPU_LIMIT" in outcome.detail and not outcome.retryable
 
 
-#: A bare MCP server whose tools/call floods the client with pings and never reads its stdin again.
-PING_FLOODING_SERVER = """
-import json, sys, time
-out = sys.stdout.buffer
-def send(o): out.write(json.dumps(o).encode() + b"\\n"); out.flush()
-while True:
-    msg = json.loads(sys.stdin.readline())
-    if msg.get("method") == "server/discover":
-        send({"jsonrpc": "2.0", "id": msg["id"], "error": {"code": -32601, "message": "Method not found"}})
-    elif msg.get("method") == "initialize":
-        result = {"protocolVersion": msg["params"]["protocolVersion"], "capabilities": {"tools": {}},
-                  "serverInfo": {"name": "flooding", "version": "0"}}
-        send({"jsonrpc": "2.0", "id": msg["id"], "result": result})
-    elif msg.get("method") == "tools/call":
-        break
+#: Pings without end, never reading stdin again.
+PING_FLOODING_SERVER = UNTIL_THE_CALL + """
 out.write(b"".join(b'{"jsonrpc":"2.0","id":%d,"method":"ping"}\\n' % (10**6 + i) for i in range(5000)))
 out.flush()
 time.sleep(600)

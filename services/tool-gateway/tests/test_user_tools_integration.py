@@ -7,6 +7,7 @@ The misbehaving tool server is the dev HTTP service (a separate process): /slow,
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -324,6 +325,107 @@ def test_an_oversized_mcp_answer_is_refused(env, mcp_server):
     # reported an error) cannot be read, so a human decides, as for a stdio server.
     _, outcome = env.run(spec, {"size": 2 * 1024 * 1024}, call_index=2)
     assert isinstance(outcome, Unknown) and outcome.detail.startswith("OVERSIZED_RESULT:"), outcome
+
+
+class CuttingProxy:
+    """A loopback TCP proxy in front of `backend_port` that breaks the MCP exchange in one of two ways.
+
+    "cut": forwards everything until the client has sent a tools/call, then, when the backend's answer
+    to it arrives, closes the client's connection instead of passing the answer on (the server did the work).
+    "refuse": answers the session's first request (the client's discovery or initialize), then stops
+    listening and has the client close its connection, so tools/call finds nothing to connect to.
+    """
+
+    def __init__(self, backend_port: int, mode: str) -> None:
+        self.backend_port = backend_port
+        self.mode = mode
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._sockets: list[socket.socket] = [self.listener]
+        self.listener_closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            backend = socket.create_connection(("127.0.0.1", self.backend_port))
+            self._sockets += [client, backend]
+            seen: list[bytes] = []
+            threading.Thread(target=self._up, args=(client, backend, seen), daemon=True).start()
+            threading.Thread(target=self._down, args=(client, backend, seen), daemon=True).start()
+
+    def _up(self, client: socket.socket, backend: socket.socket, seen: list[bytes]) -> None:
+        try:
+            while data := client.recv(65536):
+                if b'"tools/call"' in data:
+                    seen.append(b"tools/call")
+                backend.sendall(data)
+        except OSError:
+            pass
+
+    def _down(self, client: socket.socket, backend: socket.socket, seen: list[bytes]) -> None:
+        try:
+            while data := backend.recv(65536):
+                if self.mode == "cut" and b"tools/call" in seen:
+                    client.shutdown(socket.SHUT_RDWR)
+                    client.close()
+                    return
+                if self.mode == "refuse" and not self.listener_closed and data.startswith(b"HTTP/1.1 "):
+                    # The answer to the session's first request: nothing listens any more by the time the
+                    # client reads it, and it tells the client to close this connection after it, so the
+                    # next request (tools/call) must connect, and cannot.
+                    # shutdown, not only close: a close leaves the socket listening while _accept waits in it.
+                    self.listener.shutdown(socket.SHUT_RDWR)
+                    self.listener_closed = True
+                    status, rest = data.split(b"\r\n", 1)
+                    data = status + b"\r\nconnection: close\r\n" + rest
+                client.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for s in self._sockets:
+            s.close()
+
+
+
+def _add_through(proxy: CuttingProxy) -> ToolSpec:
+    # As `tether tools import-mcp` registers it: IRREVERSIBLE and not idempotent.
+    [spec] = tool_specs_from_mcp(f"http://127.0.0.1:{proxy.port}/mcp", [McpTool("add", "adds", {"type": "object"})],
+                                 timeout_ms=30_000)
+    return spec
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+def test_an_mcp_connection_cut_after_the_server_ran_the_call_leaves_a_non_idempotent_calls_outcome_unknown(
+        env, mcp_server):
+    proxy = CuttingProxy(_port(mcp_server.url), "cut")
+    try:
+        _, outcome = env.run(_add_through(proxy), {"a": 1, "b": 2})
+    finally:
+        proxy.close()
+    # The server did the work; reported as a failure, the model would do it again.
+    assert mcp_server.calls == [{"tool": "add", "args": {"a": 1, "b": 2}}]
+    assert isinstance(outcome, Unknown), outcome
+    assert outcome.detail.startswith("TOOL_ERROR:") and "RemoteProtocolError" in outcome.detail
+    assert "not idempotent" in outcome.detail
+
+
+def test_an_mcp_tools_call_that_could_not_connect_is_a_plain_failure(env, mcp_server):
+    proxy = CuttingProxy(_port(mcp_server.url), "refuse")
+    try:
+        _, outcome = env.run(_add_through(proxy), {"a": 1, "b": 2})
+    finally:
+        proxy.close()
+    assert mcp_server.calls == []
+    assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR", outcome
+    assert "ConnectError" in outcome.detail and outcome.retryable
 
 
 def test_a_secret_in_an_mcp_error_is_redacted_before_the_text_is_cut(env):
