@@ -1,24 +1,20 @@
-"""HTTP calls bounded by the tool call's deadline in every phase: connect, TLS, request, headers, body.
+"""HTTP calls bounded by the tool call's deadline in every phase: lookup, connect, TLS, request, headers, body.
 
-httpx's timeouts bound each socket operation, not the request: a server that drips its headers
-or body one byte a second never trips the read timeout, and a read that starts just before the
-deadline may still wait a full read timeout. Sync httpx has no total timeout (encode/httpx#1450:
-"the implementation would be in httpcore"), and a timer thread closing the socket does not wake
-a read blocked in poll() on Linux. So the bound sits where every read, write and connect passes:
-an httpcore network backend (httpcore's public extension point) whose every operation gets
-min(its configured timeout, time left until the deadline) and fails with httpcore's own
-ReadTimeout/WriteTimeout/ConnectTimeout once none is left. httpx maps these to its
-TimeoutException, which the executors already report as TIMEOUT; httpcore closes the connection
-on the error, so a pooled connection is never reused half-read.
+Every connect, TLS handshake, write and read is bounded by the shared network deadline
+(tether_runtime.deadline: an httpcore network backend whose every operation gets min(its
+configured timeout, time left until the deadline) and fails with httpcore's own
+ReadTimeout/WriteTimeout/ConnectTimeout once none is left). httpx maps these to its
+TimeoutException, which the executors already report as TIMEOUT.
 
-The host name is resolved by the backend too, and bounded the same way: socket.getaddrinfo has no
-timeout (socket.create_connection, which httpcore uses, would wait for the system resolver however
-long it takes, then give each address the full connect timeout), so the lookup runs on a small pool
-of daemon threads and the caller stops waiting for it at the deadline (ConnectTimeout); each address
-it returns is then tried with the time left. Nothing in the gateway checks resolved addresses (the
-egress allowlist is of names and IP literals, docs/policy.md), so connecting to the addresses this
-lookup returns is what socket.create_connection did. TLS still verifies the URL's host name: httpcore
-takes server_hostname from the request's origin, not from the address connected to.
+What the gateway adds: the host name is resolved by the backend too, and bounded the same way:
+socket.getaddrinfo has no timeout (socket.create_connection, which httpcore uses, would wait for the
+system resolver however long it takes, then give each address the full connect timeout), so the
+lookup runs on a small pool of daemon threads and the caller stops waiting for it at the deadline
+(ConnectTimeout); each address it returns is then tried with the time left. Nothing in the gateway
+checks resolved addresses (the egress allowlist is of names and IP literals, docs/policy.md), so
+connecting to the addresses this lookup returns is what socket.create_connection did. TLS still
+verifies the URL's host name: httpcore takes server_hostname from the request's origin, not from the
+address connected to.
 
 The deadline is a context variable set around the call (`call_deadline`), not a property of the
 client, so the KV store's shared client (one pool for every call) bounds each call by its own.
@@ -32,61 +28,29 @@ import queue
 import socket
 import ssl
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextvars import ContextVar
 from typing import Any
 
 import httpcore
 import httpx
 
-_DEADLINE: ContextVar[float | None] = ContextVar("tether_tool_call_deadline", default=None)
+from tether_runtime.deadline import (
+    Deadline,
+    DeadlineBackend,
+    bounded,
+    deadline_transport as _deadline_transport,
+    network_deadline,
+)
 
 
 @contextlib.contextmanager
-def call_deadline(at: float) -> Iterator[None]:
+def call_deadline(at: float) -> Iterator[Deadline]:
     """Bound every network operation of the HTTP calls made in this block (through a
     `deadline_transport`) by `at`, a time.monotonic() value. Reading a streamed response's body
     belongs inside the block too."""
-    token = _DEADLINE.set(at)
-    try:
-        yield
-    finally:
-        _DEADLINE.reset(token)
-
-
-def _bounded(timeout: float | None, expired: type[httpcore.TimeoutException]) -> float | None:
-    """min(`timeout`, time left until the call's deadline); raises `expired` when none is left."""
-    at = _DEADLINE.get()
-    if at is None:
-        return timeout
-    left = at - time.monotonic()
-    if left <= 0:
-        raise expired("the tool call's deadline passed")
-    return left if timeout is None else min(timeout, left)
-
-
-class _DeadlineStream(httpcore.NetworkStream):
-    def __init__(self, inner: httpcore.NetworkStream) -> None:
-        self._inner = inner
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._inner.read(max_bytes, _bounded(timeout, httpcore.ReadTimeout))
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._inner.write(buffer, _bounded(timeout, httpcore.WriteTimeout))
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
-                  timeout: float | None = None) -> httpcore.NetworkStream:
-        return _DeadlineStream(self._inner.start_tls(ssl_context, server_hostname,
-                                                     _bounded(timeout, httpcore.ConnectTimeout)))
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._inner.get_extra_info(info)
+    with network_deadline(at, "the tool call") as deadline:
+        yield deadline
 
 
 class _Lookups:
@@ -128,37 +92,11 @@ class _Lookups:
 _LOOKUPS = _Lookups(threads=8)
 
 
-class _DeadlineBackend(httpcore.NetworkBackend):
-    """httpcore's SyncBackend with every operation bounded by the call's deadline, the host-name lookup
-    included."""
-
-    def __init__(self) -> None:
-        self._inner = httpcore.SyncBackend()
-
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
-        # What socket.create_connection does, with the lookup bounded and each address given the time left.
-        error: httpcore.ConnectError | httpcore.ConnectTimeout = httpcore.ConnectError(f"{host!r} has no address")
-        for address in _addresses(host, port, timeout):
-            try:
-                # An address literal: create_connection's own lookup of it is answered without DNS.
-                stream = self._inner.connect_tcp(address, port, _bounded(timeout, httpcore.ConnectTimeout),
-                                                 local_address, socket_options)
-            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
-                error = exc
-                continue
-            return _DeadlineStream(stream)
-        raise error
-
-    def sleep(self, seconds: float) -> None:
-        self._inner.sleep(seconds)
-
-
 def _addresses(host: str, port: int, timeout: float | None) -> list[str]:
     """The addresses of `host` as socket.getaddrinfo gives them, in its order, looked up on `_LOOKUPS`
     within min(`timeout`, time left until the deadline): ConnectTimeout past it, ConnectError when
     the name does not resolve. An IP literal is its own address (no lookup, no thread)."""
-    wait = _bounded(timeout, httpcore.ConnectTimeout)
+    wait = bounded(timeout, httpcore.ConnectTimeout)
     try:
         return lookup_addresses(host, port, wait)
     except TimeoutError as exc:
@@ -196,18 +134,8 @@ _LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepal
 
 
 def deadline_transport(ssl_context: ssl.SSLContext) -> httpx.HTTPTransport:
-    """httpx's own transport (no proxies from the environment), its network operations bounded by
-    the enclosing `call_deadline`."""
-    transport = httpx.HTTPTransport(verify=ssl_context, trust_env=False, limits=_LIMITS)
-    # httpx does not take a network backend yet (encode/httpx#3749), so its pool is built again,
-    # as httpx builds it, with ours; test_http_deadline.py fails if this stops taking effect.
-    # `_pool` is private: if an httpx release renames it, assigning it would add an attribute nobody
-    # reads and every call would silently lose its deadline. Refuse to build the transport instead.
-    if not isinstance(getattr(transport, "_pool", None), httpcore.ConnectionPool):
-        raise RuntimeError(f"httpx {httpx.__version__}: HTTPTransport keeps no httpcore.ConnectionPool in `_pool`; "
-                           "the tool calls' deadline cannot be installed (executors/http_deadline.py)")
-    transport._pool = httpcore.ConnectionPool(
-        ssl_context=ssl_context, max_connections=_LIMITS.max_connections,
-        max_keepalive_connections=_LIMITS.max_keepalive_connections, keepalive_expiry=_LIMITS.keepalive_expiry,
-        network_backend=_DeadlineBackend())
-    return transport
+    """httpx's own transport (no proxies from the environment), its network operations and host-name
+    lookups bounded by the enclosing `call_deadline`; test_http_deadline.py fails if this stops taking
+    effect. Raises RuntimeError (the gateway refuses to start) if this httpx cannot take the bound."""
+    return _deadline_transport(limits=_LIMITS, ssl_context=ssl_context, trust_env=False,
+                               backend=DeadlineBackend(resolve=_addresses))
