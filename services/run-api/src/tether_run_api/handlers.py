@@ -577,7 +577,11 @@ def stream_run_events(
     never loses it. Raises StreamResumeRequired (retryable: the client resumes from the next seq
     it is owed) if a seen seq stays missing from the read model for gap_wait_s, and StreamHole
     (permanent, with the next stored seq) at once when the read model holds a later seq of the
-    run but not the one owed, a hole no projector write can fill.
+    run but not the one owed, a hole no projector write can fill. A hole at the end of a finished run
+    (its last_seq is past every event the read model holds for this tenant at or after the seq owed:
+    the projector stores an event naming another tenant under that tenant and still advances
+    last_seq) is a StreamHole too, naming last_seq + 1: nothing will fill it, and the run's end
+    would otherwise never be reached, the stream re-reading the read model until the client left.
 
     A from_seq past the run's last event sends nothing and ends once the run has finished
     (at once if it already had): when the feed shows the terminal event below from_seq, or
@@ -592,6 +596,15 @@ def stream_run_events(
 
     def past_the_end(run: RunView | None) -> bool:
         return run is not None and run.status.finished and 0 < run.last_seq < gate.next_seq
+
+    def hole_at_the_end(run: RunView | None) -> StreamHole | None:
+        # Called only after a catch-up that read the events after `run` and found none from
+        # gate.next_seq on: the projector commits an event with its run's last_seq, so a finished run
+        # whose last_seq is at or past the seq owed holds that seq under another tenant (or not at
+        # all). The stream would never reach the run's end; say where the log ends instead.
+        if run is None or not run.status.finished or gate.done or run.last_seq < gate.next_seq:
+            return None
+        return StreamHole(run_id, gate.next_seq, run.last_seq + 1)
 
     if past_the_end(view):
         return  # resuming after the terminal event: nothing more will come
@@ -616,15 +629,26 @@ def stream_run_events(
                 return
 
     yield from catch_up()
+    if (hole := hole_at_the_end(view)) is not None:
+        raise hole
     while not gate.done and is_active():
         entries, cursor = live.read(run_id, cursor, policy.block_ms)
         if not entries:
             before = gate.next_seq
             yield from catch_up()
+            if gate.next_seq != before:
+                continue
             # Nothing new in the read model either: the run may have ended below from_seq,
             # its terminal event never shown on the feed (a lost publish), so ask the run.
-            if gate.next_seq == before and past_the_end(read_model.get_run(tenant, run_id)):
+            run = read_model.get_run(tenant, run_id)
+            if past_the_end(run):
                 return
+            if hole_at_the_end(run) is not None:
+                # Read again after the run: an event committed between the catch-up and get_run
+                # is no hole.
+                yield from catch_up()
+                if gate.next_seq == before and (hole := hole_at_the_end(run)) is not None:
+                    raise hole
             continue
         for entry in entries:
             offer = gate.offer(entry.seq)
@@ -651,7 +675,8 @@ def _after_the_terminal(
 ) -> Iterator[EventView]:
     """The stored events after the terminal one, up to the run's last_seq as the read model has it
     now (late facts: services/budget decisions._after_end). One catch-up, no wait: a fact stored
-    later is read by a resume from the next seq."""
+    later is read by a resume from the next seq. A seq up to last_seq that is not stored for this
+    tenant is a StreamHole, in the middle as at the end (then naming last_seq + 1)."""
     run = read_model.get_run(tenant, run_id)
     last_seq = run.last_seq if run is not None else 0
     while gate.next_seq <= last_seq:
@@ -662,7 +687,9 @@ def _after_the_terminal(
             gate.sent(ev)
             yield ev
         if not page:
-            return  # last_seq is ahead of what is stored (a hole at the end): nothing more to send
+            # last_seq is past every event stored for this tenant (one naming another tenant is stored
+            # under that tenant): a hole at the end, reported as a resume from here would report it.
+            raise StreamHole(run_id, gate.next_seq, last_seq + 1)
 
 
 def _fill(
