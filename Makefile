@@ -33,7 +33,7 @@ help:
 	@echo "make test      set up, start the local stack, run every test (PYTEST_ARGS=... to narrow)"
 	@echo "make up        start Kafka, PostgreSQL and Redis on 127.0.0.1 (no-op when running)"
 	@echo "make down      stop the services 'make run' left running, then what 'make up' started"
-	@echo "make services-down  stop only the Tether services 'make run' started (TETHER_DEMO_KEEP=1)"
+	@echo "make services-down  stop only the Tether services 'make run', 'make bench' or 'make chaos' left running"
 	@echo "make status    show the stack's processes, addresses, data and logs"
 	@echo "make setup     install what is missing (Debian packages, uv, .venv, Kafka jars)"
 	@echo "make generate  regenerate code derived from schemas/ and proto/"
@@ -50,10 +50,16 @@ up: setup
 down: services-down
 	@$(STACK) down
 
-# The demo records the PIDs it started under $(TETHER_STATE_DIR)/demo*/processes.json.
+# The demo, the bench and the fault run record the PIDs they started in processes.json under
+# $(TETHER_STATE_DIR)/demo*/, bench/<time>/ and chaos/<time>/ (each PID's command line is checked
+# before it is signalled, so stale records are harmless).
 services-down:
-	@if [ -x "$(VENV)/bin/python" ] && compgen -G '$(TETHER_STATE_DIR)/demo*/processes.json' >/dev/null; then \
-	  cd $(ROOT) && $(VENV)/bin/python -m tether_testing.system stop $(TETHER_STATE_DIR)/demo*; \
+	@dirs=(); \
+	for f in "$(TETHER_STATE_DIR)"/demo*/processes.json "$(TETHER_STATE_DIR)"/{bench,chaos}/*/processes.json; do \
+	  if [ -e "$$f" ]; then dirs+=("$${f%/processes.json}"); fi; \
+	done; \
+	if [ -x "$(VENV)/bin/python" ] && (( $${#dirs[@]} )); then \
+	  cd $(ROOT) && $(VENV)/bin/python -m tether_testing.system stop "$${dirs[@]}"; \
 	fi
 
 status:

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -625,6 +626,8 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     stop_cleanly_on_sigterm()
+    # A closed terminal or an ended ssh session (SIGHUP) goes through the same cleanup.
+    signal.signal(signal.SIGHUP, signal.getsignal(signal.SIGTERM))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     settings = BenchSettings()
     bench = Bench(settings, StackSettings())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import signal
 import sys
 import threading
 import time
@@ -386,6 +387,8 @@ class Chaos:
 
 def main() -> int:
     stop_cleanly_on_sigterm()
+    # A closed terminal or an ended ssh session (SIGHUP) goes through the same cleanup.
+    signal.signal(signal.SIGHUP, signal.getsignal(signal.SIGTERM))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     chaos = Chaos(ChaosSettings(), StackSettings())
     print(f"chaos: seed {chaos.seed}, {chaos.s.seconds:.0f}s of faults, workdir {chaos.workdir}", file=sys.stderr,
