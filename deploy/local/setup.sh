@@ -59,6 +59,16 @@ if ((${#missing[@]})); then
   fi
   "${SUDO[@]}" apt-get update -q
   "${SUDO[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+  # Their postinst enabled Debian's own services, which after a reboot would take the stack's
+  # ports (make up: exit 3); the stack runs servers of its own, so they stay off.
+  services=()
+  for pkg in redis-server postgresql; do
+    if [[ " ${missing[*]} " == *" $pkg "* ]]; then services+=("$pkg"); fi
+  done
+  if ((${#services[@]})); then
+    say "disabling Debian's own services at boot: ${services[*]}"
+    "${SUDO[@]}" "$REPO/deploy/local/no-boot-start.sh" "${services[@]}"
+  fi
 fi
 
 # -- uv, pinned --------------------------------------------------------------------------------
