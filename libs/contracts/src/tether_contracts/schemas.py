@@ -33,6 +33,8 @@ class WriterSchema:
     name: str
     parsed: Any
     release: str | None = None  # None for the current schema
+    #: Its self-contained JSON (what a schema registry is given for it).
+    standalone: Any = None
 
 
 @dataclass
@@ -46,6 +48,13 @@ class SchemaSet:
     standalone: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Every known writer schema by fingerprint: the current ones and those of released snapshots.
     writers: dict[bytes, WriterSchema] = field(default_factory=dict)
+    #: Per release, the fingerprint its writer schema has for each current record it holds
+    #: (unchanged records included: their fingerprint is the current one).
+    releases: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    #: The parsed trees, for the compatibility checks of a pinned write release
+    #: (`current_tree`, and each release's by name).
+    current_tree: SchemaTree | None = None
+    release_trees: dict[str, SchemaTree] = field(default_factory=dict)
 
     def fingerprint_of(self, name: str) -> bytes:
         """The 8-byte little-endian CRC-64-AVRO fingerprint of a record's schema."""
@@ -72,19 +81,23 @@ def _add_current(result: SchemaSet, tree: SchemaTree) -> None:
         result.parsed[name] = parsed
         result.fingerprints[name] = fp
         result.by_fingerprint[fp] = name
-        result.writers[fp] = WriterSchema(name, parsed)
+        result.writers[fp] = WriterSchema(name, parsed, standalone=schema)
+    result.current_tree = tree
 
 
 def _add_release(result: SchemaSet, release: str, tree: SchemaTree) -> None:
+    result.release_trees[release] = tree
+    written = result.releases.setdefault(release, {})
     for name in tree.top_level.values():
         schema = standalone(name, tree)
         fp = crc64_fingerprint(schema)
-        if fp in result.writers:
-            continue  # unchanged since that release
         reader = result.reader_name_for(name)
         if reader is None:
             continue  # the record was removed; the compatibility gate forbids that for released records
-        result.writers[fp] = WriterSchema(reader, parse_standalone(schema), release)
+        written[reader] = fp
+        if fp in result.writers:
+            continue  # unchanged since that release
+        result.writers[fp] = WriterSchema(reader, parse_standalone(schema), release, schema)
         result.by_fingerprint[fp] = reader
 
 

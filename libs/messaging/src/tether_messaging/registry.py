@@ -17,13 +17,17 @@ import httpx
 from tether_contracts.records import Envelope
 from tether_contracts.schemas import SchemaSet, schema_set
 from tether_messaging.serde import (
+    FROM_PROCESS,
     EnvelopeCodec,
+    PinChoice,
     ResolvedWriter,
     SingleObjectCodec,
     UnknownSchemaId,
+    active_pin,
     decode_as,
     encode_confluent,
     resolve_writer,
+    write_schema,
 )
 
 CONTENT_TYPE = "application/vnd.schemaregistry.v1+json"
@@ -146,15 +150,21 @@ class SchemaRegistryClient:
 
 
 class RegistryCodec:
-    """EnvelopeCodec in the Confluent wire format; decodes single-object values too (first byte decides)."""
+    """EnvelopeCodec in the Confluent wire format; decodes single-object values too (first byte decides).
 
-    def __init__(self, client: SchemaRegistryClient, schemas: SchemaSet | None = None) -> None:
+    Under the process's pin (TETHER_SCHEMA_WRITE_RELEASE, resolved when it is built) it registers
+    and writes with the pinned release's envelope schema.
+    """
+
+    def __init__(self, client: SchemaRegistryClient, schemas: SchemaSet | None = None, pin: PinChoice = FROM_PROCESS) -> None:
         self.client = client
         self.schemas = schemas or schema_set()
+        self.pin = active_pin(pin, self.schemas)
 
     def encode_value(self, envelope: Envelope, topic: str) -> bytes:
-        schema_id = self.client.register(value_subject(topic), self.schemas.standalone[Envelope.AVRO_NAME])
-        return encode_confluent(envelope, schema_id, self.schemas)
+        schema = write_schema(Envelope.AVRO_NAME, self.schemas, self.pin)
+        schema_id = self.client.register(value_subject(topic), schema)
+        return encode_confluent(envelope, schema_id, self.schemas, self.pin)
 
     def decode_value(self, data: bytes) -> Envelope:
         return decode_as(data, Envelope, self.schemas, registry=self.client)

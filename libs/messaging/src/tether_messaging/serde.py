@@ -8,19 +8,26 @@ latter is read into the current type by Avro schema resolution.
 Confluent Schema Registry wire format: 0x00, the 4-byte big-endian schema id, then the body;
 the writer schema comes from the registry (tether_messaging.registry). `decode` picks the
 format by the first byte, so one consumer reads both.
+
+A rolling upgrade pins the writer: with TETHER_SCHEMA_WRITE_RELEASE=<release> (read once per
+process) every record is written with that released snapshot's schema, so pods still running
+the previous release read what upgraded pods write (docs/serde.md, "Rolling upgrades").
 """
 
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from pathlib import PurePosixPath
+from typing import Any, Final, Protocol, TypeVar
 
 import fastavro
 from fastavro.read import SchemaResolutionError
 from fastavro.schema import to_parsing_canonical_form
 
 from tether_contracts.base import AvroRecord
+from tether_contracts.compat import compare
 from tether_contracts.records import RECORD_TYPES, Envelope
 from tether_contracts.schemas import SchemaSet, schema_set
 
@@ -28,6 +35,8 @@ MAGIC = b"\xc3\x01"
 HEADER_LEN = 10
 CONFLUENT_MAGIC = b"\x00"
 CONFLUENT_HEADER_LEN = 5
+#: The released snapshot producers write with during phase 1 of a rolling upgrade (unset: the current schemas).
+WRITE_RELEASE_ENV = "TETHER_SCHEMA_WRITE_RELEASE"
 
 R = TypeVar("R", bound=AvroRecord)
 
@@ -80,6 +89,96 @@ class IncompatibleSchema(SerdeError):
         super().__init__("INCOMPATIBLE_SCHEMA", detail)
 
 
+class WriteReleaseRefused(Exception):
+    """The pinned write release cannot write every current record; raised when a codec is built
+    (start-up), so a process never runs writing records that the release's readers would lose."""
+
+    def __init__(self, release: str, problems: list[str]) -> None:
+        super().__init__(
+            f"{WRITE_RELEASE_ENV}={release} refused: {len(problems)} problem(s): " + "; ".join(problems)
+        )
+        self.release = release
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class WritePin:
+    """Records are written with a released snapshot's writer schemas instead of the current ones.
+
+    `fingerprints` maps every current record the release can write to the fingerprint of its
+    writer schema in that release (the current fingerprint where the record has not changed).
+    """
+
+    release: str
+    fingerprints: dict[str, bytes]
+
+
+def write_pin(release: str, schemas: SchemaSet | None = None) -> WritePin:
+    """The pin for writing with `release`'s schemas, checked for every current record.
+
+    Refused (WriteReleaseRefused, listing every problem) when the release is not bundled, when a
+    current command, event or the envelope has no schema in it (a new record type: its readers
+    could not read it whatever we write), or when a record does not resolve both ways against
+    the release (a field the release lacks must have a default; the compatibility gate
+    guarantees it, this asserts it at start-up).
+    """
+    schemas = schemas or schema_set()
+    written = schemas.releases.get(release)
+    if written is None or schemas.current_tree is None:
+        known = ", ".join(sorted(schemas.releases)) or "none"
+        raise WriteReleaseRefused(release, [f"no released snapshot named {release!r} is bundled (known: {known})"])
+    problems = [
+        f"{name}: not in release {release} (a new record type; readers of {release} cannot read it)"
+        for rel, name in sorted(schemas.current_tree.top_level.items(), key=lambda item: item[1])
+        if name not in written and PurePosixPath(rel).parent.name != "types"  # types are only ever nested
+    ]
+    problems += [str(p) for p in compare(schemas.release_trees[release], schemas.current_tree, release)]
+    if problems:
+        raise WriteReleaseRefused(release, problems)
+    return WritePin(release, dict(written))
+
+
+class _ProcessPin:
+    """Marker: write with the process's pin (TETHER_SCHEMA_WRITE_RELEASE), if any."""
+
+
+FROM_PROCESS: Final = _ProcessPin()
+#: What a writer is given: a pin, None (the current schemas) or FROM_PROCESS.
+PinChoice = WritePin | None | _ProcessPin
+
+_process_pins: dict[int, tuple[SchemaSet, WritePin | None]] = {}
+
+
+def process_write_pin(schemas: SchemaSet | None = None) -> WritePin | None:
+    """The pin TETHER_SCHEMA_WRITE_RELEASE names (None when it is unset or empty), for `schemas`.
+
+    Read and checked once per process and schema set; every codec resolves it when it is built,
+    so a release that cannot write every record stops the process at start-up.
+    """
+    schemas = schemas or schema_set()
+    hit = _process_pins.get(id(schemas))
+    if hit is not None and hit[0] is schemas:
+        return hit[1]
+    release = os.environ.get(WRITE_RELEASE_ENV, "").strip()
+    pin = write_pin(release, schemas) if release else None
+    _process_pins[id(schemas)] = (schemas, pin)
+    return pin
+
+
+def active_pin(pin: PinChoice, schemas: SchemaSet | None = None) -> WritePin | None:
+    """`pin` itself, or the process's pin for FROM_PROCESS."""
+    return process_write_pin(schemas) if isinstance(pin, _ProcessPin) else pin
+
+
+def write_schema(name: str, schemas: SchemaSet | None = None, pin: PinChoice = FROM_PROCESS) -> Any:
+    """The self-contained JSON schema a record named `name` is written with (what a registry is given)."""
+    schemas = schemas or schema_set()
+    active = active_pin(pin, schemas)
+    if active is None:
+        return schemas.standalone[name]
+    return schemas.writers[_pinned_fingerprint(name, active)].standalone
+
+
 @dataclass(frozen=True)
 class ResolvedWriter:
     """A writer schema from a registry, bound to the current record type that reads it."""
@@ -112,24 +211,62 @@ class WriterSchemaSource(Protocol):
         ...
 
 
-def _body(record: AvroRecord, schemas: SchemaSet) -> bytes:
+def _current_body(record: AvroRecord, schemas: SchemaSet) -> bytes:
     buf = io.BytesIO()
     fastavro.schemaless_writer(buf, schemas.parsed[record.AVRO_NAME], record.avro_datum())
     return buf.getvalue()
 
 
-def encode(record: AvroRecord, schemas: SchemaSet | None = None) -> bytes:
-    """Single-object encode a generated record."""
+def _pinned_fingerprint(name: str, pin: WritePin) -> bytes:
+    fp = pin.fingerprints.get(name)
+    if fp is None:  # a nested-only type written on its own: write_pin lets those through
+        raise WriteReleaseRefused(pin.release, [f"{name}: not in release {pin.release}"])
+    return fp
+
+
+def _body(record: AvroRecord, schemas: SchemaSet, pin: WritePin | None) -> tuple[bytes, bytes]:
+    """The writer fingerprint and the Avro body of `record`, written with the pinned release's
+    schema when there is a pin and the record changed since that release."""
+    name = record.AVRO_NAME
+    body = _current_body(record, schemas)
+    if pin is None:
+        return schemas.fingerprint_of(name), body
+    fp = _pinned_fingerprint(name, pin)
+    writer = schemas.writers[fp]
+    if writer.release is None:  # unchanged since the release
+        return fp, body
+    # Avro schema resolution turns the current datum into what a reader of the release sees
+    # (fields it lacks dropped, nested records and unions resolved the same way); that datum is
+    # then written with the release's schema.
+    datum = fastavro.schemaless_reader(io.BytesIO(body), schemas.parsed[name], writer.parsed)
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, writer.parsed, datum)
+    return fp, buf.getvalue()
+
+
+def encode(
+    record: AvroRecord, schemas: SchemaSet | None = None, pin: PinChoice = FROM_PROCESS
+) -> bytes:
+    """Single-object encode a generated record, with the pinned release's writer schema if there is
+    a pin (by default the process's, TETHER_SCHEMA_WRITE_RELEASE; None = the current schemas)."""
     schemas = schemas or schema_set()
-    return MAGIC + schemas.fingerprint_of(record.AVRO_NAME) + _body(record, schemas)
+    fp, body = _body(record, schemas, active_pin(pin, schemas))
+    return MAGIC + fp + body
 
 
-def encode_confluent(record: AvroRecord, schema_id: int, schemas: SchemaSet | None = None) -> bytes:
-    """Confluent wire format: 0x00, 4-byte big-endian schema id (as registered for this record's schema), body."""
+def encode_confluent(
+    record: AvroRecord,
+    schema_id: int,
+    schemas: SchemaSet | None = None,
+    pin: PinChoice = FROM_PROCESS,
+) -> bytes:
+    """Confluent wire format: 0x00, 4-byte big-endian schema id, body. The id must be the one
+    registered for `write_schema(record's name, schemas, pin)` (the pinned release's schema under a pin)."""
     if not 0 <= schema_id < 2**31:
         raise ValueError(f"schema id out of range: {schema_id}")
     schemas = schemas or schema_set()
-    return CONFLUENT_MAGIC + schema_id.to_bytes(4, "big") + _body(record, schemas)
+    _, body = _body(record, schemas, active_pin(pin, schemas))
+    return CONFLUENT_MAGIC + schema_id.to_bytes(4, "big") + body
 
 
 def _read(data: bytes, offset: int, writer: Any, reader_name: str, schemas: SchemaSet, same: bool) -> AvroRecord:
@@ -225,13 +362,18 @@ class EnvelopeCodec(Protocol):
 
 
 class SingleObjectCodec:
-    """The default EnvelopeCodec: single-object encoding, no registry (Confluent-framed input is refused)."""
+    """The default EnvelopeCodec: single-object encoding, no registry (Confluent-framed input is refused).
 
-    def __init__(self, schemas: SchemaSet | None = None) -> None:
+    It writes with the process's pin (TETHER_SCHEMA_WRITE_RELEASE), resolved when it is built:
+    a release that cannot write every record raises WriteReleaseRefused at start-up.
+    """
+
+    def __init__(self, schemas: SchemaSet | None = None, pin: PinChoice = FROM_PROCESS) -> None:
         self.schemas = schemas
+        self.pin = active_pin(pin, schemas)
 
     def encode_value(self, envelope: Envelope, topic: str) -> bytes:
-        return encode(envelope, self.schemas)
+        return encode(envelope, self.schemas, self.pin)
 
     def decode_value(self, data: bytes) -> Envelope:
         return decode_as(data, Envelope, self.schemas)

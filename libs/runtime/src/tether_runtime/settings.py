@@ -38,6 +38,14 @@ class ServiceSettings(BaseSettings):
         validation_alias=_infra("TETHER_SCHEMA_REGISTRY_URL"),
         description="Confluent Schema Registry URL; when set, records are written in its wire format.",
     )
+    schema_write_release: str | None = Field(
+        None,
+        pattern=r"^(v[0-9]+)?$",  # empty = unset, as the codec reads it
+        validation_alias=_infra("TETHER_SCHEMA_WRITE_RELEASE"),
+        description="Phase 1 of a rolling upgrade: write every record with this released snapshot's schemas (e.g. "
+        "v1) so pods of that release read them; unset in phase 2. Read once per process by the codec "
+        "(tether_messaging.serde); a release that cannot write every current record stops start-up. docs/serde.md.",
+    )
     topic_prefix: str = Field(
         "",
         validation_alias=_infra("TETHER_TOPIC_PREFIX"),
