@@ -388,3 +388,16 @@ def test_the_chart_requires_the_kubernetes_that_labels_pods_with_their_index():
     assert not _satisfies(constraint, "v1.27.9") and not _satisfies(constraint, "v1.27.3-eks-1234")
     assert _satisfies(constraint, "v1.28.0") and _satisfies(constraint, "v1.28.3-gke.100")
     assert _satisfies(constraint, KUBE_VERSION)
+
+
+def test_a_schema_write_release_reaches_every_workload_only_when_set():
+    for name, workload in _workloads(_render()).items():
+        assert "TETHER_SCHEMA_WRITE_RELEASE" not in _env(workload["spec"]["template"]["spec"]["containers"][0]), name
+    docs = _render({"schemaWriteRelease": "v1"})
+    workloads = _workloads(docs)
+    assert len(workloads) == 6
+    for name, workload in workloads.items():
+        env = _env(workload["spec"]["template"]["spec"]["containers"][0])
+        assert env["TETHER_SCHEMA_WRITE_RELEASE"] == {"name": "TETHER_SCHEMA_WRITE_RELEASE", "value": "v1"}, name
+    with pytest.raises(Exception, match="schemaWriteRelease"):
+        _render({"schemaWriteRelease": "1.0"})

@@ -12,6 +12,10 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
   value: {{ .Values.kafka.partitions | quote }}
 - name: TETHER_TOPIC_REPLICATION_FACTOR
   value: {{ .Values.kafka.replicationFactor | quote }}
+{{- with .Values.schemaWriteRelease }}
+- name: TETHER_SCHEMA_WRITE_RELEASE
+  value: {{ . | quote }}
+{{- end }}
 - name: TETHER_PG_DSN
   valueFrom:
     secretKeyRef:
