@@ -6,8 +6,10 @@ How a batch runs (docs/architecture.md, "The exactly-once loop"):
    up to `batch_max_messages` records or `batch_max_ms`;
 2. begin a transaction; deliver finished work (`Processor.on_work_done`), then each record
    (decode → `Processor.handle`; undecodable records and `Unprocessable` go to the
-   dead-letter topic, and so, after an abort and replay of the batch, do records whose outputs
-   or state checkpoint are too large ever to be produced: `_PoisonBatch`), then `on_tick` when due;
+   dead-letter topic — a record whose decode failure `LoopConfig.fail_on_decode_errors` names
+   blocks its partition instead — and so, after an abort and replay of the batch, do records
+   whose outputs or state checkpoint are too large ever to be produced: `_PoisonBatch`), then
+   `on_tick` when due;
 3. call `Processor.before_commit()` if the processor has one (an at-least-once processor
    flushes the batch's external effects there), produce the changed per-run states to the
    service's changelog, send the input offsets, commit. Only after the commit are the changed
@@ -141,6 +143,14 @@ WORK_IN_FLIGHT = Gauge("tether_loop_work_in_flight", "Work started and not yet d
 WORK_WAITING = Gauge("tether_loop_work_waiting", "Work committed and waiting for a worker thread.", ["service"])
 WORK_DONE = Counter("tether_loop_work_done_total", "Work delivered back to the processor.", ["service", "outcome"])
 LAG = Gauge("tether_loop_lag_records", "High watermark minus the loop's position.", ["service", "topic", "partition"])
+#: 1 while the loop holds a partition at a record this build cannot read (`fail_on_decode_errors`);
+#: the series goes when the partition does (the next owner is blocked by it in turn) or the loop ends.
+BLOCKED = Gauge(
+    "tether_loop_blocked",
+    "1 while a partition is held at a record this build cannot decode (LoopConfig.fail_on_decode_errors): "
+    "its lag grows until a build that reads it is running.",
+    ["service", "topic", "partition", "reason"],
+)
 RESTORE_SECONDS = Histogram("tether_loop_restore_seconds", "Time to restore states on assignment.", ["service"])
 CARRIED = Counter(
     "tether_loop_records_carried_total",
@@ -303,11 +313,14 @@ class LoopConfig:
     #: What an unexpected exception in a handler does: dead-letter the record and carry on
     #: (one run suffers, the partition's other runs keep moving), or fail the process.
     handler_errors: Literal["dead-letter", "fail"] = "dead-letter"
-    #: Reasons of decode failures (`SerdeError.reason`) that stop the loop (FatalLoopError, the
-    #: batch not committed) instead of dead-lettering the record, as a schema registry outage
-    #: does: for a consumer that must not lose a record it will read after an upgrade (the
-    #: projector on UNKNOWN_FINGERPRINT: a newer producer's schema). The record stays at the
-    #: group's offset, its lag shows, and a restart reads it again. Empty: dead-letter them all.
+    #: Reasons of decode failures (`SerdeError.reason`) that block the record's partition instead
+    #: of dead-lettering the record: for a consumer that must not lose a record it will read after
+    #: an upgrade (the projector on UNKNOWN_FINGERPRINT: a newer producer's schema). The records
+    #: before it are committed, the record and the rest of its partition are not consumed (the
+    #: partition is paused, the group's offset stays at the record), while the other partitions keep
+    #: flowing and the process keeps serving its metrics: `tether_loop_blocked` = 1 and the
+    #: partition's lag, `ready` false (/readyz 503). Only a restart with a build that reads it, or a
+    #: rebalance that moves the partition to one, reads it again. Empty: dead-letter them all.
     fail_on_decode_errors: frozenset[str] = frozenset()
     #: Most input the consumer fetches ahead of the loop (librdkafka `queued.max.messages.kbytes`,
     #: may be overshot by one fetch of a partition). librdkafka's default, 64 MiB, is what a
@@ -421,6 +434,10 @@ class _Batch:
     handled: int = 0
     #: Records that reached the decoder (handled, dead-lettered or failed), not just passed over.
     decoded: int = 0
+    #: Partitions this batch met a record of that `fail_on_decode_errors` names: (offset, reason,
+    #: detail). Blocked (`ProcessorLoop._block`) once the records before it are committed; an
+    #: aborted batch forgets them, and its replay meets the record again.
+    blocked: dict[TP, tuple[int, str, str]] = field(default_factory=dict)
 
 
 # -- contexts handed to the processor --------------------------------------------------------
@@ -541,7 +558,8 @@ class ProcessorLoop:
     Use: ``ProcessorLoop(processor, config).run(stop_event)``. `run` returns after `stop`
     is set (the current batch is committed and the consumer leaves its group) and raises
     `FatalLoopError` when the process must restart. `ready` turns true once the first
-    partition assignment has been restored.
+    partition assignment has been restored, and is false while a partition is blocked
+    (`LoopConfig.fail_on_decode_errors`).
     """
 
     def __init__(self, processor: Processor, config: LoopConfig, *, clock_ms: Callable[[], int] | None = None,
@@ -634,12 +652,16 @@ class ProcessorLoop:
         self._refused: list[tuple[_Origin, str, str, int, bytes, int, KafkaError]] = []
         #: Topics' `max.message.bytes`, looked up when the broker refused a record as too large.
         self._topic_limits: dict[str, int] = {}
+        #: Partitions held (paused) at a record this build cannot decode: (offset, reason). Until
+        #: they are dropped (revoked, lost) or the loop ends; `ready` is false meanwhile.
+        self._blocked: dict[TP, tuple[int, str]] = {}
 
     # -- public ----------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        """True once the group has been joined and the first assignment restored."""
-        return self._ready.is_set()
+        """True once the group has been joined and the first assignment restored, while no
+        partition is blocked at a record this build cannot read (`fail_on_decode_errors`)."""
+        return self._ready.is_set() and not self._blocked
 
     @property
     def transactional_id(self) -> str:
@@ -906,6 +928,7 @@ class ProcessorLoop:
                 LAG.remove(self._name, tp[0], str(tp[1]))
             except KeyError:
                 pass  # never measured
+        self._unblock([tp for tp in self._blocked if tp[1] in gone])
         for d in (self._next, self._holds, self._committed, self._skip):
             for tp in [tp for tp in d if tp[1] in gone]:
                 del d[tp]
@@ -1137,6 +1160,8 @@ class ProcessorLoop:
             return
         for origin in batch.poisoned:
             self._poison.pop(origin, None)  # dead-lettered in a committed batch
+        if batch.blocked:
+            self._block(batch.blocked)
         if carried:
             # Not committed (the offsets sent stop before them): the next batch handles them.
             self._buffer = carried
@@ -1239,6 +1264,8 @@ class ProcessorLoop:
         offset = m.offset()
         if m.partition() not in self._owned:
             return  # revoked while collecting
+        if tp in self._blocked or tp in batch.blocked:
+            return  # behind a record this build cannot read: not consumed (fetched before the pause)
         batch.first_offsets.setdefault(tp, offset)
         batch.touched.add(m.partition())
         self._next[tp] = offset + 1
@@ -1271,10 +1298,10 @@ class ProcessorLoop:
             payload = open_payload(envelope)
         except SerdeError as exc:
             if exc.reason in self.config.fail_on_decode_errors:
-                self._log.error("undecodable_record_stops_loop", reason=exc.reason, topic=m.topic(),
-                                partition=m.partition(), offset=offset, detail=_redacted(exc.detail)[:500])
-                raise FatalLoopError(f"{m.topic()}[{m.partition()}]@{offset} cannot be decoded: {exc.reason}: "
-                                     f"{exc.detail}") from exc
+                # Not consumed: the offsets this batch commits stop before it.
+                self._next[tp] = offset
+                batch.blocked[tp] = (offset, exc.reason, exc.detail)
+                return
             self._dead_letter(batch, m, exc.reason, exc.detail)
             return
         unit = _Unit(origin=origin)
@@ -1495,7 +1522,7 @@ class ProcessorLoop:
         self._next, self._holds, self._work, self._meta_has_holds, self._committed = snapshot
         self._redeliver = batch.delivered + self._redeliver
         for (topic, partition), offset in batch.first_offsets.items():
-            if partition in self._owned:
+            if partition in self._owned and (topic, partition) not in self._blocked:
                 self._consumer.seek(TopicPartition(topic, partition, offset))
 
     def _find_poison(self, batch: _Batch, exc: _AbortBatch) -> dict[_Origin, tuple[str, str]]:
@@ -1696,10 +1723,55 @@ class ProcessorLoop:
                     raise _PoisonBatch(origin, reason, detail) from exc
                 raise _AbortBatch(f"produce: {err.str()}") from exc
 
+    def _block(self, blocked: Mapping[TP, tuple[int, str, str]]) -> None:
+        """Hold partitions at a record this build cannot decode, the records before it committed.
+
+        The loop goes on with its other partitions and keeps the process (its metrics, /healthz)
+        up, instead of exiting on it: an exit took the record's lag and every other series with
+        it, and a restart (or the replica the partition moved to) met the record again and exited
+        again, a crash loop nothing alerted on. Only a build that reads it resumes the partition.
+        """
+        for tp, (offset, reason, detail) in blocked.items():
+            if tp[1] not in self._owned or tp in self._blocked:
+                continue
+            self._blocked[tp] = (offset, reason)
+            try:
+                self._consumer.pause([TopicPartition(tp[0], tp[1])])
+            except KafkaException as exc:  # unassigned meanwhile: its records are skipped anyway
+                self._log.warning("pause_failed", topic=tp[0], partition=tp[1], error=_describe(exc))
+            BLOCKED.labels(self._name, tp[0], str(tp[1]), reason).set(1)
+            self._log.error("partition_blocked", reason=reason, topic=tp[0], partition=tp[1], offset=offset,
+                            detail=_redacted(detail)[:500],
+                            action="the record and the rest of its partition are not consumed until a build that "
+                                   "can decode it runs (upgrade, then restart); nothing was dead-lettered")
+        self._update_lag()
+
+    def _unblock(self, tps: Sequence[TP]) -> None:
+        """Forget blocked partitions this loop no longer owns: their next owner meets the record
+        itself (and exports its own series); a later assignment here fetches from the committed offset."""
+        for tp in tps:
+            _offset, reason = self._blocked.pop(tp)
+            try:
+                BLOCKED.remove(self._name, tp[0], str(tp[1]), reason)
+            except KeyError:
+                pass
+            if self._consumer is not None:
+                try:
+                    # librdkafka keeps an application's pause across the revoke and a later assignment
+                    # of the partition to this member, which would then never fetch it (test_loop_fail_on_decode_errors).
+                    self._consumer.resume([TopicPartition(tp[0], tp[1])])
+                except KafkaException:
+                    pass  # already unassigned
+
     def _update_lag(self) -> None:
         for tp, nxt in list(self._next.items()):
             try:
-                _low, high = self._consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
+                if tp in self._blocked:
+                    # Paused: nothing is fetched, so the cached high watermark would stay where it was
+                    # at the pause while the partition's backlog grows. One request per tick.
+                    _low, high = self._consumer.get_watermark_offsets(TopicPartition(*tp), timeout=1)
+                else:
+                    _low, high = self._consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
             except KafkaException:
                 continue
             if high is not None and high >= 0:
@@ -1731,6 +1803,11 @@ class ProcessorLoop:
                 step()
             except Exception as exc:
                 self._log.warning("shutdown_step_failed", step=what, error=_describe(exc))
+        for tp, (_offset, reason) in self._blocked.items():
+            try:
+                BLOCKED.remove(self._name, tp[0], str(tp[1]), reason)
+            except KeyError:
+                pass
         self._watchdog_stop.set()
         self._log.info("loop_stopped")
 
