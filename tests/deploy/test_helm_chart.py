@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -401,3 +402,68 @@ def test_a_schema_write_release_reaches_every_workload_only_when_set():
         assert env["TETHER_SCHEMA_WRITE_RELEASE"] == {"name": "TETHER_SCHEMA_WRITE_RELEASE", "value": "v1"}, name
     with pytest.raises(Exception, match="schemaWriteRelease"):
         _render({"schemaWriteRelease": "1.0"})
+
+
+def test_cap_ceilings_reach_run_api_and_the_budget_alike(monkeypatch: pytest.MonkeyPatch):
+    # run-api refuses an agent above a ceiling the budget would reject (CapCeilingSettings): a ceiling
+    # raised for the budget alone left run-api at the default, refusing every agent above it.
+    for name, workload in _workloads(_render()).items():
+        env = _env(workload["spec"]["template"]["spec"]["containers"][0])
+        assert not [k for k in env if k.startswith("TETHER_BUDGET_CEILING_")], name  # the code's defaults
+    docs = _render({"capCeilings": {"maxSteps": 5000, "maxWallClockMs": 1_209_600_000}})
+    for doc in docs:
+        _validate(doc)
+    rendered = {}
+    for name, workload in _workloads(docs).items():
+        env = _env(workload["spec"]["template"]["spec"]["containers"][0])
+        rendered[name] = {k: v["value"] for k, v in env.items() if k.startswith("TETHER_BUDGET_CEILING_")}
+    expected = {"TETHER_BUDGET_CEILING_MAX_STEPS": "5000", "TETHER_BUDGET_CEILING_MAX_WALL_CLOCK_MS": "1209600000"}
+    assert rendered == {"run-api": expected, "budget": expected, "planner": {}, "tool-gateway": {},
+                        "approval": {}, "projector": {}}
+
+    # What each service's settings read from that env: the same ceilings.
+    from tether_budget.settings import BudgetSettings
+    from tether_run_api.settings import RunApiSettings
+
+    for name, settings_cls in (("run-api", RunApiSettings), ("budget", BudgetSettings)):
+        with monkeypatch.context() as env:
+            for key in [k for k in os.environ if k.startswith("TETHER_BUDGET_CEILING_")]:
+                env.delenv(key)
+            for key, value in rendered[name].items():
+                env.setenv(key, value)
+            settings = settings_cls()
+            assert (settings.ceiling_max_steps, settings.ceiling_max_wall_clock_ms) == (5000, 1_209_600_000), name
+            assert settings.ceiling_max_tokens == 50_000_000  # a key left out keeps the default
+
+
+def test_a_cap_ceiling_in_one_services_env_is_refused():
+    for service in ("budget", "run-api", "planner"):
+        with pytest.raises(Exception, match="capCeilings"):
+            _render({"services": {service: {"env": [{"name": "TETHER_BUDGET_CEILING_MAX_STEPS", "value": "5000"}]}}})
+    with pytest.raises(Exception, match="capCeilings"):
+        _render({"capCeilings": {"maxStep": 5000}})  # not a ceiling
+    with pytest.raises(Exception, match="capCeilings"):
+        _render({"capCeilings": {"maxSteps": 0}})
+
+
+def test_a_blocked_partition_and_a_restarting_pod_are_alerted():
+    docs = _render({"monitoring": {"rules": {"enabled": True}}})
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    groups = {g["name"]: {a["alert"]: a for a in g["rules"]} for g in rule["spec"]["groups"]}
+    blocked = groups["tether.loop"]["TetherPartitionBlocked"]
+    promql_parser.parse(blocked["expr"])
+    assert "tether_loop_blocked" in blocked["expr"] and "tether_loop_blocked" in _loop_metric_names()
+    assert blocked["labels"]["severity"] == "critical" and "for" not in blocked
+    assert "{{ $labels.partition }}" in blocked["annotations"]["summary"]
+
+    # kube-state-metrics' standard restart counter, scoped to this release's pods in its namespace.
+    restarts = groups["tether.pods"]["TetherPodRestarting"]
+    promql_parser.parse(restarts["expr"])
+    assert "kube_pod_container_status_restarts_total{" in restarts["expr"]
+    assert 'namespace="agents"' in restarts["expr"]
+    pod_re = re.search(r'pod=~"([^"]+)"', restarts["expr"]).group(1)
+    for pod in ("tether-budget-0", "tether-projector-7c9d8f6b5-x2x9q", "tether-run-api-5f7b9c-abcde",
+                "tether-tool-gateway-2"):
+        assert re.fullmatch(pod_re, pod), pod
+    for pod in ("other-budget-0", "tether-redis-0", "tether-budget"):
+        assert not re.fullmatch(pod_re, pod), pod
