@@ -68,7 +68,10 @@ class Mismatch:
 class _Call:
     state: CallState
     inputs: CallDecisionInputs | None = None
+    #: The provenance the gateway shows under a policy that does not count the snapshot's MCP
+    #: tools as taint, and under one that does (`handlers.call_provenance`).
     provenance_json: str = ""
+    provenance_json_tool_taint: str = ""
     verdict: str = ""  # "allow", "deny", "approval", "approved", "rejected" as recorded
     approval: ApprovalRequested | None = None
     decided: ApprovalDecided | None = None
@@ -116,6 +119,7 @@ class GatewayAudit:
                 # The decision's inputs are the log as it stood here: the taint so far, this clock.
                 call.inputs = call_decision_inputs(run, call.state, recorded_at_ms=env.recorded_at_ms)
                 call.provenance_json = call_provenance(run, call.state)
+                call.provenance_json_tool_taint = call_provenance(run, call.state, tool_taint=True)
         elif isinstance(payload, ApprovalRequested):
             self._check_approval_requested(env, payload)
         elif isinstance(payload, ApprovalDecided):
@@ -162,13 +166,15 @@ class GatewayAudit:
         if not isinstance(v, RequireApproval):
             self._report(env, ev.call_id, f"the policy says {_describe(v)}, not an approval")
             return
+        policy = self.policies[ev.policy_version]
+        shown = call.provenance_json_tool_taint if policy.counts_tool_taint else call.provenance_json
         expected = {
             "reasons": (list(v.reasons), ev.reasons),
             "expires_at_ms": (v.expires_at_ms, ev.expires_at_ms),
             "inputs_hash": (d.inputs_hash, ev.inputs_hash),
             "args_hash": (call.state.args_hash, ev.args_hash),
             "approval_id": (approval_id_for(env.run_id, call.state.idem_key, call.state.args_hash), ev.approval_id),
-            "provenance_json": (call.provenance_json, ev.provenance_json),
+            "provenance_json": (shown, ev.provenance_json),
         }
         for name, (want, got) in expected.items():
             if want != got:

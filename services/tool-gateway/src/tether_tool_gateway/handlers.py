@@ -44,7 +44,9 @@ from tether_tool_gateway.domain.policy import (
     RateDecisionInputs,
     RequireApproval,
     approval_id_for,
+    policy_for_run,
 )
+from tether_tool_gateway.domain.policy_document import DEFAULT_POLICY_VERSION
 from tether_tool_gateway.domain.provenance import copied_args, linked_args, provenance, result_text
 from tether_tool_gateway.domain.state import CallState, CallStatus, RunState
 from tether_tool_gateway.execution import (
@@ -147,6 +149,11 @@ class StartedCalls:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+def run_policy(run: RunState, deps: Deps) -> Policy:
+    """The policy this run's decisions are made under (`policy.policy_for_run`)."""
+    return policy_for_run(deps.policy, run.default_policy_version)
+
+
 def _state(ctx: Context, run_id: str) -> RunState | None:
     state = ctx.get_state(run_id)
     # A copy: the loop keeps the committed object to undo an aborted batch.
@@ -209,7 +216,7 @@ def start_execution(call: CallState, run: RunState, run_id: str, ctx: Context, d
         seen.add(key, ctx.partition)
     # The rate limit is checked when the call is about to run (after any approval), not when
     # it was decided: a human may take days, and the limiter answers for "now".
-    limit = deps.policy.rate_limit_for(run.tenant_id, call.tool_name)
+    limit = run_policy(run, deps).rate_limit_for(run.tenant_id, call.tool_name)
     ctx.start_work(key, run_id, run.tenant_id,
                    partial(deps.runner.run, intent, tool, limit, call.rate_attempts + 1))
 
@@ -227,6 +234,7 @@ def on_run_accepted(event: RunAccepted, msg: Inbound, ctx: Context, *, deps: Dep
         tenant_grants=list(event.tenant_grants),
         delegated_scope=None if event.delegated_scope is None else list(event.delegated_scope),
         tools={t.name: t for t in event.tools},
+        default_policy_version=DEFAULT_POLICY_VERSION,
     )
     run.read_goal(event.goal)
     ctx.put_state(run_id, run)
@@ -263,17 +271,19 @@ def on_tool_call_budgeted(event: ToolCallBudgeted, msg: Inbound, ctx: Context, *
         return
     if call.status is not CallStatus.REQUESTED:
         return  # already decided
-    decision = deps.policy.decide_call(call_decision_inputs(run, call, recorded_at_ms=msg.envelope.recorded_at_ms))
+    policy = run_policy(run, deps)
+    decision = policy.decide_call(call_decision_inputs(run, call, recorded_at_ms=msg.envelope.recorded_at_ms))
     verdict = decision.verdict
     if isinstance(verdict, Deny):
         _deny(call, decision, verdict, run_id, run.tenant_id, ctx, deps, msg.envelope.event_id)
     elif isinstance(verdict, RequireApproval):
         tool = run.tools[call.tool_name]
         approval_id = approval_id_for(run_id, call.idem_key, call.args_hash)
+        shown = call_provenance(run, call, tool_taint=policy.counts_tool_taint)
         _emit(ctx, deps, ApprovalRequested(
             approval_id=approval_id, step=call.step, call_id=call.call_id, idem_key=call.idem_key,
             tool_name=call.tool_name, args_json=call.args_json, args_hash=call.args_hash,
-            risk_class=tool.risk_class, reasons=list(verdict.reasons), provenance_json=call_provenance(run, call),
+            risk_class=tool.risk_class, reasons=list(verdict.reasons), provenance_json=shown,
             expires_at_ms=verdict.expires_at_ms, policy_version=decision.policy_version,
             inputs_hash=decision.inputs_hash,
         ), run_id=run_id, tenant_id=run.tenant_id, event_id=approval_event_id(run_id, call.idem_key),
@@ -330,16 +340,20 @@ def call_decision_inputs(run: RunState, call: CallState, *, recorded_at_ms: int)
     )
 
 
-def call_provenance(run: RunState, call: CallState) -> str:
+def call_provenance(run: RunState, call: CallState, *, tool_taint: bool = False) -> str:
     """ApprovalRequested.provenance_json: the gateway's own derivation from the log, plus what
-    the planner claimed (kept for comparison, never trusted)."""
+    the planner claimed (kept for comparison, never trusted). `tainted_by` is what tainted the
+    run: with `tool_taint` (a policy with taint.mcp_tool_descriptions) the snapshot's untrusted
+    MCP tools (`tools:<name>`) first, then the call ids of untrusted outcomes; without it exactly
+    what policies before that rule recorded (the audit compares it byte for byte)."""
     try:
         args = json.loads(call.args_json)
     except json.JSONDecodeError:
         args = call.args_json
     shown = provenance(args, run.sources)
-    if run.tainted_by:
-        shown["tainted_by"] = list(run.tainted_by)
+    tainted_by = [*(run.tool_taint() if tool_taint else ()), *run.tainted_by]
+    if tainted_by:
+        shown["tainted_by"] = tainted_by
     try:
         claimed = json.loads(call.provenance_json or "{}")
     except json.JSONDecodeError:
@@ -367,7 +381,7 @@ def on_approval_decided(event: ApprovalDecided, msg: Inbound, ctx: Context, *, d
         log.warning("approval_for_other_request", run_id=run_id, call_id=call.call_id,
                     expected=call.approval_id, got=event.approval_id)
         return
-    decision = deps.policy.decide_approval(ApprovalDecisionInputs(
+    decision = run_policy(run, deps).decide_approval(ApprovalDecisionInputs(
         approval_id=event.approval_id, call_args_hash=call.args_hash,
         approval_expires_at_ms=call.approval_expires_at_ms or 0, decided_args_hash=event.args_hash,
         outcome=event.outcome, approver_id=event.approver_id, comment=event.comment,
@@ -477,7 +491,7 @@ def on_call_work_done(outcome: Outcome | None, error: BaseException | None, ctx:
 
 def _defer(limited: RateLimited, run: RunState, call: CallState, run_id: str, ctx: Context, deps: Deps) -> None:
     """Record the rate-limit decision (with the limiter's answer as an input) and park the call."""
-    decision = deps.policy.decide_rate(RateDecisionInputs(
+    decision = run_policy(run, deps).decide_rate(RateDecisionInputs(
         tenant_id=run.tenant_id, tool_name=call.tool_name, call_id=call.call_id, idem_key=call.idem_key,
         attempt=limited.attempt, limit=limited.limit, answer=limited.answer, decided_at_ms=ctx.now_ms,
     ))

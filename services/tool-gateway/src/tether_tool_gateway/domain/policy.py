@@ -12,7 +12,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any, Protocol
 
 from jsonschema import Draft202012Validator
@@ -24,15 +24,18 @@ from tether_tool_gateway.domain.constraints import ConstraintsInvalid, check_con
 from tether_tool_gateway.domain.policy_document import (
     DAY_MS,
     DEFAULT_APPROVAL_TTL_MS,
+    DEFAULT_POLICY_VERSION,
+    PREVIOUS_DEFAULT_POLICY_VERSION,
     LoadedPolicy,
     RateLimit,
+    default_policies,
     default_policy,
 )
 
 __all__ = [
     "DAY_MS", "DEFAULT_APPROVAL_TTL_MS", "Allow", "ApprovalDecisionInputs", "BasicPolicy", "CallDecisionInputs",
     "Decision", "Defer", "Deny", "Policy", "RateAnswer", "RateDecisionInputs", "RequireApproval", "TrustPolicy",
-    "Verdict", "approval_id_for", "inputs_hash", "validate_args",
+    "Verdict", "approval_id_for", "inputs_hash", "policy_for_run", "validate_args",
 ]
 
 _log = logging.getLogger(__name__)
@@ -249,6 +252,12 @@ class Policy(Protocol):
 
     version: str
 
+    @property
+    def counts_tool_taint(self) -> bool:
+        """The policy deems a run tainted by the untrusted MCP tools of its snapshot
+        (taint.mcp_tool_descriptions): the approver is shown them as what tainted the run."""
+        ...
+
     def decide_call(self, inputs: CallDecisionInputs) -> Decision:
         """Decide a budgeted call: deny, require approval, or allow."""
         ...
@@ -326,6 +335,10 @@ class BasicPolicy:
     approval_ttl_ms: int = DEFAULT_APPROVAL_TTL_MS
     approval_risk_classes: frozenset[RiskClass] = field(default_factory=lambda: frozenset({RiskClass.IRREVERSIBLE}))
 
+    @property
+    def counts_tool_taint(self) -> bool:
+        return False
+
     @staticmethod
     def canonical(i: CallDecisionInputs) -> dict[str, Any]:
         tool = None
@@ -390,6 +403,10 @@ class TrustPolicy:
     @property
     def version(self) -> str:
         return self.loaded.policy_version
+
+    @property
+    def counts_tool_taint(self) -> bool:
+        return self.loaded.document.taint.mcp_tool_descriptions
 
     def decide_call(self, inputs: CallDecisionInputs) -> Decision:
         taint = self.loaded.document.taint
@@ -485,6 +502,29 @@ class TrustPolicy:
 
     def decide_rate(self, inputs: RateDecisionInputs) -> Decision:
         return Decision(_rate_verdict(inputs), self.version, inputs_hash(self.version, inputs.canonical()))
+
+
+@cache
+def _earlier_defaults() -> dict[str, TrustPolicy]:
+    return {p.policy_version: TrustPolicy(p) for p in default_policies()[1:]}
+
+
+def policy_for_run(policy: Policy, run_default_version: str | None) -> Policy:
+    """The policy a run's decisions are made under (docs/policy.md, "Runs in flight across an upgrade").
+
+    A gateway given a policy document decides every run under it. A gateway on the built-in
+    default decides each run under the default of the release that accepted it
+    (`RunState.default_policy_version`; None, a state checkpointed before that field, is
+    default/2): a newer default may read what an older release's state does not hold (default/3's
+    `Source.requests_before`), where the gateway restoring that state and an auditor folding the log
+    would reach different decisions. The decision events name the version, so the audit runs the
+    same one. A version this release does not know (a newer release's, after a rollback) gets the
+    current default.
+    """
+    if not isinstance(policy, TrustPolicy) or policy.version != DEFAULT_POLICY_VERSION:
+        return policy
+    version = run_default_version or PREVIOUS_DEFAULT_POLICY_VERSION
+    return _earlier_defaults().get(version, policy)
 
 
 def approval_id_for(run_id: str, idem_key: str, args_hash: str) -> str:

@@ -195,6 +195,14 @@ DEFAULT_POLICY_TEXT = ('{"version": "default/3", "taint": {"follow_links": true,
 EARLIER_DEFAULT_POLICY_TEXTS = ('{"version": "default/2", "taint": {"follow_links": true}}', '{"version": "default/1"}')
 
 
+#: The default's policy version, which a gateway on the default records in each new run's state
+#: (`RunState.default_policy_version`).
+DEFAULT_POLICY_VERSION = policy_version_of(json.loads(DEFAULT_POLICY_TEXT))
+#: What a run whose state has no `default_policy_version` was accepted under: the state was
+#: checkpointed by the release before default/3, whose default was default/2.
+PREVIOUS_DEFAULT_POLICY_VERSION = policy_version_of(json.loads(EARLIER_DEFAULT_POLICY_TEXTS[0]))
+
+
 def default_policy() -> LoadedPolicy:
     return parse_policy(DEFAULT_POLICY_TEXT)
 

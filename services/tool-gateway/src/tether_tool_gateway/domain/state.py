@@ -63,6 +63,10 @@ class RunState(BaseModel):
     #: The goal, then tool results in log order, as provenance searches them (capped; see
     #: domain.provenance).
     sources: list[Source] = Field(default_factory=list)
+    #: The built-in default's policy version when the gateway first saw the run (RunAccepted): a
+    #: gateway on the default keeps deciding the run under it (`policy.policy_for_run`). None in a
+    #: state checkpointed by a release before the field (that release's default, default/2).
+    default_policy_version: str | None = None
 
     def clone(self) -> RunState:
         """A working copy for handling one record (the loop keeps the committed state to undo an
