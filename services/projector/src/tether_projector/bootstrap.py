@@ -46,9 +46,15 @@ def build_processor(settings: ProjectorSettings, *, registry: CollectorRegistry 
 
 def loop_options(settings: ProjectorSettings) -> dict[str, Any]:
     """The projector's overrides of the shared loop's configuration (`LoopConfig` fields)."""
-    # At-least-once: nothing is produced, so there is nothing to make atomic with the offsets; a
-    # handler error stops the process (replayed after restart) rather than dropping the event,
-    # and so does an event whose schema this build does not know (replayed after the upgrade).
+    # At-least-once, not transactional: the projector produces nothing but dead letters, and its
+    # effects (the batch's rows, written in before_commit) are idempotent (an event at or below its
+    # run's last_seq is skipped), so a replay after a crash before the offset commit is harmless.
+    # A handler error, or a failure projecting the batch (PostgreSQL still unavailable after
+    # read_model_attempts), stops the process with nothing committed (the batch is replayed after
+    # the restart) rather than dead-lettering events. An event whose schema this build does not know
+    # (unknown_schema_reasons) does not stop it: the loop blocks that event's partition at it,
+    # uncommitted (tether_loop_blocked = 1, /readyz 503), while the other partitions flow, until a
+    # build that reads it takes the partition. Corrupt or unsealed records are dead-lettered.
     return {"transactional": False, "handler_errors": "fail",
             "fail_on_decode_errors": unknown_schema_reasons(settings.schema_registry_url)}
 
