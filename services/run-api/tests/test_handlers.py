@@ -449,6 +449,8 @@ def test_a_hole_in_the_read_model_ends_the_stream_at_it_instead_of_polling_for_e
                 seen.append(e.seq)
         assert seen == sent_before
         assert err.value.metadata == {"run_id": run_id, "next_seq": "2", "next_stored_seq": "3"}
+        assert err.value.message.endswith("missing seq 2 and nothing will fill it; resume at seq 3: the next "
+                                          "stored event, or the end of the run's log if its last seq is 2")
         assert err.value.retry_after_s is None
     assert world.live.reads == 0  # ended from the catch-up itself, not after polling
     assert [e.seq for e in _stream(world, run_id, 3)] == [3, 4, 5]  # past the hole the rest is served

@@ -50,6 +50,10 @@ def test_a_finished_runs_last_seq_held_by_another_tenant_ends_the_stream_with_a_
         for seq in stream(rm, from_seq, live):
             seen.append(seq)
     assert err.value.metadata == {"run_id": RUN, "next_seq": "5", "next_stored_seq": "6"}
+    # Nothing is stored at 6 (the run's log ends at 5): the message said "the next stored event is seq 6".
+    assert err.value.message == (
+        f"the read model of run {RUN!r} is missing seq 5 and nothing will fill it; resume at seq 6: the next "
+        "stored event, or the end of the run's log if its last seq is 5")
     assert err.value.retry_after_s is None
     assert live.reads == 0  # not after polling
     # The client goes on from next_stored_seq, as for any hole: the stream ends there, nothing sent.

@@ -343,18 +343,23 @@ class StreamResumeRequired(ApiError):
 
 
 class StreamHole(ApiError):
-    """The read model holds a later event of the run but never stored `next_seq` (the projector moved
-    past it): no wait fills it, so it is not retryable at next_seq. The client skips to
-    `next_stored_seq` (or investigates with `tether audit verify`)."""
+    """The read model never stored `next_seq` of the run and never will (the projector moved past it):
+    no wait fills it, so it is not retryable at next_seq. Either it holds a later event of the run,
+    at `next_stored_seq`, or the hole runs to the end of a finished run's log (`next_stored_seq` is
+    then its last_seq + 1, where nothing is stored). Either way the client resumes at
+    `next_stored_seq` (or investigates with `tether audit verify`); the callers do not tell this
+    class which case it is, so its message is true of both."""
 
     category = Category.DATA_LOSS
     reason = "STREAM_HOLE"
 
     def __init__(self, run_id: str, next_seq: int, next_stored_seq: int) -> None:
+        last_missing = next_stored_seq - 1
         super().__init__(
             f"the read model of run {run_id!r} is missing seq {next_seq}"
-            + (f" (through {next_stored_seq - 1})" if next_stored_seq - 1 > next_seq else "")
-            + f"; the next stored event is seq {next_stored_seq}",
+            + (f" through {last_missing}" if last_missing > next_seq else "")
+            + f" and nothing will fill it; resume at seq {next_stored_seq}: the next stored event, or the end "
+            f"of the run's log if its last seq is {last_missing}",
             run_id=run_id,
             next_seq=next_seq,
             next_stored_seq=next_stored_seq,
