@@ -1,4 +1,5 @@
-"""`tether tools import-mcp` against a real local MCP server and `tether tools update`, on a run-api with fakes."""
+"""`tether tools import-mcp` against a real local MCP server (draft-07 input schemas converted to 2020-12) and
+`tether tools update`, on a run-api with fakes."""
 
 from __future__ import annotations
 
@@ -6,15 +7,20 @@ import json
 from collections.abc import Iterator
 
 import pytest
+from jsonschema import Draft7Validator
+from mcp.server.mcpserver import MCPServer
+from mcp_types import Tool as McpToolInfo
 from typer.testing import CliRunner
 
+from tether_contracts.records import RiskClass, ToolSpec
 from tether_run_api import handlers
 from tether_run_api.api.server import start_server
 from tether_run_api.api.servicers import Services
-from tether_run_api.cli import main as cli
+from tether_run_api.cli import main as cli, user_tools
 from tether_run_api.domain.admission import SubmitRateLimiter
 from tether_run_api.domain.auth import ROLE_ADMIN, ROLE_MEMBER, Principal, hash_api_key
 from tether_run_api.testing import FakeApiKeys, FakeCatalog, FakeLedger, FakeLiveEvents, FakePublisher, FakeReadModel
+from tether_tool_gateway.domain.policy import validate_args
 from tether_tool_gateway.mcp_testing import start_mcp_server
 
 KEY = "tk_cli_" + "u" * 30
@@ -147,3 +153,142 @@ def test_import_mcp_over_stdio_of_a_command_that_cannot_run_says_so(env):
 ])
 def test_import_mcp_refuses_mixed_up_options(env, args, fragment):
     assert fragment in failure(invoke("tools", "import-mcp", *args))
+
+
+# -- a TypeScript MCP server: draft-07 input schemas ---------------------------------------------------
+DRAFT_07 = "http://json-schema.org/draft-07/schema#"
+#: What zod-to-json-schema (the MCP TypeScript SDK) declares: draft-07, reused objects under `definitions`.
+TICKET = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "minLength": 1},
+        "requester": {"$ref": "#/definitions/person", "description": "who asks"},
+        "watchers": {"type": "array", "items": {"$ref": "#/definitions/person"}},
+        "labels": {"type": "object", "properties": {"definitions": {"type": "string"}},
+                   "additionalProperties": {"$ref": "#/properties/labels/properties/definitions"}},
+        "priority": {"type": "string", "enum": ["low", "high"]},
+    },
+    "required": ["title", "requester"],
+    "additionalProperties": False,
+    "definitions": {"person": {"type": "object", "properties": {"email": {"type": "string", "pattern": "@"}},
+                               "required": ["email"], "additionalProperties": False}},
+    "$schema": DRAFT_07,
+}
+#: draft-07 schemas that mean something else in 2020-12, nested where a server puts them.
+REORDER = {"type": "object", "$schema": DRAFT_07, "properties": {"lines": {
+    "type": "array", "items": [{"type": "string"}, {"type": "integer"}], "additionalItems": False}}}
+REFUND = {"type": "object", "$schema": DRAFT_07, "properties": {"amount": {"type": "number"}},
+          "dependencies": {"amount": ["approval_code"]}}
+LEGACY = {"type": "object", "$schema": "http://json-schema.org/draft-04/schema#"}  # not converted: refused
+
+
+class TypeScriptLikeServer(MCPServer):
+    """Declares the given input schemas as they are, like an MCP server built on the TypeScript SDK."""
+
+    def __init__(self, schemas: dict[str, dict]) -> None:
+        super().__init__("ts-like")
+        self.schemas = schemas
+
+    async def list_tools(self) -> list[McpToolInfo]:
+        return [McpToolInfo(name=name, description=f"the {name} tool", input_schema=schema)
+                for name, schema in self.schemas.items()]
+
+
+@pytest.fixture
+def ts_server():
+    server = start_mcp_server(TypeScriptLikeServer({"create_ticket": TICKET, "reorder": REORDER,
+                                                    "refund": REFUND, "legacy": LEGACY}))
+    yield server
+    server.stop()
+
+
+def _verdicts(schema_json: str, instances: list[dict]) -> list[bool]:
+    spec = ToolSpec(name="t", version=1, description="d", args_schema_json=schema_json, risk_class=RiskClass.WRITE,
+                    idempotent=False, untrusted_source=True, executor_kind="mcp")
+    return [validate_args(spec, json.dumps(i)) is None for i in instances]
+
+
+TICKET_CALLS = [
+    {"title": "t", "requester": {"email": "a@x"}},
+    {"title": "t", "requester": {"email": "a@x"}, "watchers": [{"email": "b@x"}], "priority": "high"},
+    {"title": "t", "requester": {}},  # the referenced definition's `required`
+    {"title": "t", "requester": {"email": "a@x"}, "watchers": [{"email": "b@x", "name": "B"}]},  # nested, by $ref
+    {"title": "t", "requester": {"email": "nope"}},
+    {"title": "t", "requester": {"email": "a@x"}, "labels": {"definitions": "x", "team": 3}},
+    {"title": "", "requester": {"email": "a@x"}},
+    {"title": "t", "requester": {"email": "a@x"}, "extra": 1},
+]
+
+
+def test_import_mcp_converts_a_draft_07_schema_to_2020_12_with_the_same_meaning(env, ts_server):
+    # Since 42eca13 run-api refuses a $schema other than 2020-12, so every tool of a TypeScript MCP
+    # server failed to import. Its schema now registers in 2020-12 (definitions as $defs, the refs
+    # into them rewritten) and the gateway decides every call as draft-07 would have.
+    out = invoke("tools", "import-mcp", ts_server.url, "--only", "create_ticket").output
+    assert "registered tool create_ticket v1 (IRREVERSIBLE)" in out, out
+    stored = tool("create_ticket")["args_schema_json"]
+    schema = json.loads(stored)
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert "definitions" not in schema and schema["$defs"] == TICKET["definitions"]
+    assert schema["properties"]["requester"] == {"$ref": "#/$defs/person", "description": "who asks"}
+    assert schema["properties"]["watchers"]["items"] == {"$ref": "#/$defs/person"}
+    # A property named "definitions" is not the keyword: neither it nor the ref to it is renamed.
+    assert schema["properties"]["labels"]["additionalProperties"] == {
+        "$ref": "#/properties/labels/properties/definitions"}
+    as_draft_07 = [Draft7Validator(TICKET).is_valid(i) for i in TICKET_CALLS]
+    assert as_draft_07 == [True, True, False, False, False, False, False, False]
+    assert _verdicts(stored, TICKET_CALLS) == as_draft_07
+
+
+def test_import_mcp_refuses_draft_07_schemas_whose_meaning_changed_naming_tool_and_keyword(env, ts_server):
+    result = invoke("tools", "import-mcp", ts_server.url)
+    said = failure(result)
+    assert "tool 'reorder'" in said and "'items' at /properties/lines/items" in said, said
+    assert "tool 'refund'" in said and "'dependencies' at /dependencies" in said
+    assert "tool 'legacy'" in said and "draft-04" in said
+    assert "create_ticket" not in said and "nothing was registered" in said and "--only" in said
+    assert env.catalog.tools == {}  # not even the tool that converts: the import is all or nothing
+    assert invoke("tools", "import-mcp", ts_server.url, "--only", "refund", "--dry-run").exit_code != 0
+
+
+# -- the conversion, keyword by keyword ---------------------------------------------------------------
+@pytest.mark.parametrize("schema, converted", [
+    ({"$schema": DRAFT_07 + "", "type": "object", "properties": {"a": {"type": "string", "format": "email"}}},
+     {"type": "object", "properties": {"a": {"type": "string", "format": "email"}}}),
+    ({"$schema": "http://json-schema.org/draft-07/schema", "type": "object",
+      "allOf": [{"$ref": "#/definitions/a"}], "definitions": {"a": {"definitions": {"b": {"type": "integer"}},
+                                                                    "properties": {"x": {"$ref": "#/definitions/a/definitions/b"}}}}},
+     {"type": "object", "allOf": [{"$ref": "#/$defs/a"}],
+      "$defs": {"a": {"$defs": {"b": {"type": "integer"}}, "properties": {"x": {"$ref": "#/$defs/a/$defs/b"}}}}}),
+    ({"$schema": DRAFT_07, "type": "object", "properties": {"n": {"exclusiveMinimum": 0, "const": 3,
+                                                                  "default": {"definitions": 1, "$ref": "#/x"}}}},
+     {"type": "object", "properties": {"n": {"exclusiveMinimum": 0, "const": 3,
+                                             "default": {"definitions": 1, "$ref": "#/x"}}}}),  # data stays data
+])
+def test_a_draft_07_schema_that_means_the_same_is_rewritten(schema, converted):
+    assert user_tools.draft07_to_2020_12(schema) == {"$schema": "https://json-schema.org/draft/2020-12/schema",
+                                                    **converted}
+
+
+@pytest.mark.parametrize("schema, keyword, where", [
+    ({"properties": {"a": {"$ref": "#/definitions/x", "type": "string"}}}, "$ref", "/properties/a"),
+    ({"properties": {"a": {"$ref": "#thing"}}}, "$ref", "/properties/a/$ref"),
+    ({"properties": {"a": {"$id": "#thing"}}}, "$id", "/properties/a/$id"),
+    ({"anyOf": [{"additionalItems": False}]}, "additionalItems", "/anyOf/0/additionalItems"),
+    ({"definitions": {"p": {"unevaluatedProperties": False}}}, "unevaluatedProperties",
+     "/definitions/p/unevaluatedProperties"),
+    ({"properties": {"a": {"dependentRequired": {"b": ["c"]}}}}, "dependentRequired",
+     "/properties/a/dependentRequired"),
+    ({"properties": {"a/b": {"prefixItems": []}}}, "prefixItems", "/properties/a~1b/prefixItems"),
+    ({"not": {"$schema": DRAFT_07}}, "$schema", "/not/$schema"),
+])
+def test_a_draft_07_schema_that_would_mean_something_else_is_refused_where_it_does(schema, keyword, where):
+    with pytest.raises(user_tools.SchemaNotConvertible) as err:
+        user_tools.draft07_to_2020_12({"$schema": DRAFT_07, "type": "object", **schema})
+    assert (err.value.keyword, err.value.where) == (keyword, where)
+
+
+def test_a_schema_in_another_dialect_is_left_as_it_is():
+    for schema in ({"type": "object", "items": [{}]}, {"$schema": "https://json-schema.org/draft/2020-12/schema"},
+                   {"$schema": "http://json-schema.org/draft-04/schema#", "dependencies": {}}):
+        assert user_tools.draft07_to_2020_12(schema) is schema
