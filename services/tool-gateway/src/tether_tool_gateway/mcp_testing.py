@@ -208,14 +208,15 @@ def _free_port() -> int:
 
 
 def start_mcp_server(server: MCPServer | None = None, *, calls: list[dict[str, Any]] | None = None,
-                     timeout_s: float = 20.0) -> RunningMcpServer:
-    """Serve `server` (default: `demo_server`) at http://127.0.0.1:<port>/mcp until `stop()`."""
+                     timeout_s: float = 20.0, json_response: bool = False) -> RunningMcpServer:
+    """Serve `server` (default: `demo_server`) at http://127.0.0.1:<port>/mcp until `stop()`; answers come
+    as SSE streams, or with `json_response` as application/json bodies."""
     import uvicorn
 
     calls = [] if calls is None else calls
     server = server or demo_server(calls)
     port = _free_port()
-    app = server.streamable_http_app(streamable_http_path="/mcp")
+    app = server.streamable_http_app(streamable_http_path="/mcp", json_response=json_response)
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=uv.run, name="mcp-test-server", daemon=True)
     thread.start()

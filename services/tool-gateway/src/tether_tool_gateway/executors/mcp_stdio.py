@@ -55,6 +55,7 @@ from tether_tool_gateway.executors.mcp_tool import (
     InvalidServerOutput,
     McpTool,
     OversizedAnswer,
+    ServerAnswer,
     call_result,
     declared_tools,
     server_refused,
@@ -113,8 +114,9 @@ class SandboxedStdio:
     SDK it is strict: a message longer than `max_message_bytes` (OversizedAnswer), a line that
     is not a JSON-RPC message (InvalidServerOutput; the protocol allows nothing else on stdout) or
     more than MAX_SERVER_REQUESTS requests from the server (InvalidServerOutput) ends the session
-    at once, and `problem` says which. `streams()` is the `Transport` to hand to
-    `mcp.Client`; leaving it kills the sandbox.
+    at once, and `problem` says which; `answer` keeps the server's own JSON-RPC error answer to
+    tools/call, if it sent one. `streams()` is the `Transport` to hand to `mcp.Client`; leaving it
+    kills the sandbox.
     """
 
     def __init__(self, process: SandboxedProcess, *, max_message_bytes: int) -> None:
@@ -125,6 +127,7 @@ class SandboxedStdio:
         self.call_sent = False
         #: Requests the server sent us (pings: nothing else is offered to it), up to MAX_SERVER_REQUESTS.
         self.server_requests = 0
+        self.answer = ServerAnswer()
 
     @asynccontextmanager
     async def streams(self) -> AsyncIterator[tuple[MemoryObjectReceiveStream[SessionMessage | Exception],
@@ -164,9 +167,11 @@ class SandboxedStdio:
                 async with write_reader:
                     async for message in write_reader:
                         data = message.message.model_dump_json(by_alias=True, exclude_unset=True) + "\n"
+                        request = message.message if isinstance(message.message, mcp_types.JSONRPCRequest) else None
+                        if request is not None and request.method == "tools/call":
+                            self.answer.call_id = request.id  # first: the answer may be read before the write returns
                         await _write_all(stdin, data.encode())
-                        if isinstance(message.message, mcp_types.JSONRPCRequest) and \
-                                message.message.method == "tools/call":
+                        if request is not None and request.method == "tools/call":
                             self.call_sent = True
             except OSError:
                 # The server closed its stdin (or died): end the session rather than let a request wait.
@@ -183,7 +188,7 @@ class SandboxedStdio:
                 tg.cancel_scope.cancel()
 
     def _message(self, line: bytes) -> SessionMessage | None:
-        """The line as a message, or None when it ends the session (too long, or not JSON-RPC)."""
+        """The line as a message, or None when it ends the session (too long, not JSON-RPC, one request too many)."""
         if len(line) > self.max_message_bytes:
             self._fail(OversizedAnswer(f"the MCP server sent a message larger than {self.max_message_bytes} bytes"))
             return None
@@ -205,6 +210,9 @@ class SandboxedStdio:
                                                f"in one session; the gateway offers no sampling, roots or "
                                                f"elicitation)"))
                 return None
+            return SessionMessage(message)
+        if isinstance(message, mcp_types.JSONRPCError) and self.answer.answers_call(message.id):
+            self.answer.note(message)
         return SessionMessage(message)
 
     def _fail(self, problem: Exception) -> None:
@@ -256,7 +264,7 @@ def _session_error(exc: BaseException, channel: SandboxedStdio, end: SandboxExit
     the server's answer (it exited, its stdout ended, it wrote what cannot be read) leaves that unknown;
     only the server's own JSON-RPC error answer is a definite refusal."""
     error = _session_error_kind(exc, channel, end, what)
-    if channel.call_sent and not server_refused(exc):
+    if channel.call_sent and not server_refused(exc, channel.answer):
         error.effect_unknown = True
     return error
 

@@ -10,12 +10,15 @@ Config (ToolSpec.executor_config_json):
 
 The gateway opens a session, calls `tools/call` with the validated arguments (the call's idem_key
 goes in the request's `_meta` as `tether/idempotency_key`), and records the result; a result the
-server flags `isError` is a tool error. `tool_specs_from_mcp` turns a server's `tools/list` into
+server flags `isError` is a tool error, and so is a JSON-RPC error the server itself answered. Any
+other failure once the call went out (a cut connection, a proxy's 5xx, an answer that is not
+JSON-RPC, a 202 with no answer) leaves open whether the tool ran (ToolError.effect_unknown). `tool_specs_from_mcp` turns a server's `tools/list` into
 ToolSpecs, by default in the most restrictive class (IRREVERSIBLE, not idempotent, untrusted).
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import AsyncIterator, Sequence
@@ -25,10 +28,12 @@ from typing import Any
 import anyio
 import httpx
 import httpx2
+from httpx2._sse import _SSEParser  # the parser the SDK's EventSource uses: read the stream as the SDK does
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.dispatcher import coerce_request_id
 from mcp.shared.exceptions import MCPError
-from mcp_types import CONNECTION_CLOSED, CallToolResult
+from mcp_types import CallToolResult, ErrorData, JSONRPCError, JSONRPCMessage, RequestId, jsonrpc_message_adapter
 
 from tether_contracts.records import RiskClass, ToolSpec
 from tether_tool_gateway.domain.errors import ToolError, cut_text
@@ -51,6 +56,32 @@ class InvalidServerOutput(Exception):
     """The server sent something that is not an MCP (JSON-RPC) message where only those may be."""
 
 
+class ServerAnswer:
+    """The JSON-RPC error the server itself sent in answer to a session's tools/call, if any, as the
+    gateway's own transport code read it off the wire.
+
+    The SDK resolves a request it got no readable answer to with a JSON-RPC error of its own making,
+    of the same type (MCPError) and with the same codes as a server's: over streamable HTTP a proxy's
+    5xx becomes INTERNAL_ERROR, a body that is not JSON-RPC PARSE_ERROR, a 202 or an unexpected
+    content type INVALID_REQUEST, a stream that ended CONNECTION_CLOSED. The server may have run the
+    tool before any of these. Only an error the server sent says it refused (`server_refused`)."""
+
+    def __init__(self) -> None:
+        self.error: ErrorData | None = None
+        #: The tools/call request's id, once it is on its way (stdio: an error answers it only by this id).
+        self.call_id: RequestId | None = None
+
+    def note(self, message: JSONRPCMessage) -> None:
+        """Keep `message` if it is the first JSON-RPC error answering the call (the one the SDK acts on)."""
+        if self.error is None and isinstance(message, JSONRPCError):
+            self.error = message.error
+
+    def answers_call(self, request_id: RequestId | None) -> bool:
+        """Whether a message with `request_id` answers the tools/call (ids correlate as the SDK's do)."""
+        return (self.call_id is not None and request_id is not None
+                and coerce_request_id(request_id) == coerce_request_id(self.call_id))
+
+
 class _CappedBody(httpx2.AsyncByteStream):
     """A response body that fails with OversizedAnswer once more than `max_bytes` of it have arrived."""
 
@@ -70,6 +101,55 @@ class _CappedBody(httpx2.AsyncByteStream):
         await self._body.aclose()
 
 
+class _WitnessedBody(httpx2.AsyncByteStream):
+    """The body of the answer to a tools/call POST, passed on unchanged; the JSON-RPC error in it, if the
+    server sent one, goes to `answer`. Parsed as the SDK parses it: a JSON body whole (it is capped
+    below), an SSE stream event by event (an event past `max_bytes` is left unread, as the SDK fails it)."""
+
+    def __init__(self, body: httpx2.AsyncByteStream, answer: ServerAnswer, max_bytes: int, *, sse: bool) -> None:
+        self._body = body
+        self._answer = answer
+        self._max_bytes = max_bytes
+        self._sse = sse
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        events: _SSEParser | None = _SSEParser(self._max_bytes) if self._sse else None
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        whole = bytearray()
+        async for chunk in self._body:
+            if not self._sse:
+                whole += chunk
+            elif events is not None:
+                try:
+                    for event in events.decode(text.decode(chunk)):
+                        if event.event == "message" and event.data:
+                            self._note(event.data)
+                except httpx2.SSEError:
+                    events = None  # an event over the cap: the SDK gives up on the stream too
+            yield chunk
+        if not self._sse:
+            self._note(bytes(whole))  # the body arrived whole: what the SDK parses
+
+    def _note(self, data: str | bytes) -> None:
+        try:
+            self._answer.note(jsonrpc_message_adapter.validate_json(data, by_name=False))
+        except ValueError:
+            pass  # not JSON-RPC: the SDK answers the call with a PARSE_ERROR of its own
+
+    async def aclose(self) -> None:
+        await self._body.aclose()
+
+
+def _is_tools_call(request: httpx2.Request) -> bool:
+    if request.method != "POST":
+        return False
+    try:
+        message = json.loads(request.content)
+    except (httpx2.RequestNotRead, ValueError):
+        return False
+    return isinstance(message, dict) and message.get("method") == "tools/call" and "id" in message
+
+
 class _CappedTransport(httpx2.AsyncBaseTransport):
     """Holds every answer to `max_bytes`, however it is sent.
 
@@ -78,11 +158,15 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
     arrives. SSE bodies are left to the SDK's per-event cap: a stream of progress events may
     rightly total more than one answer. Answers must not be compressed (the client asks for
     identity): the cap counts the bytes on the wire, and a compressed body would decode past it.
+
+    With an `answer`, the body of the answer to tools/call is also read for the server's own
+    JSON-RPC error (`ServerAnswer`).
     """
 
-    def __init__(self, inner: httpx2.AsyncBaseTransport, max_bytes: int) -> None:
+    def __init__(self, inner: httpx2.AsyncBaseTransport, max_bytes: int, answer: ServerAnswer | None = None) -> None:
         self._inner = inner
         self._max_bytes = max_bytes
+        self._answer = answer
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         response = await self._inner.handle_async_request(request)
@@ -94,8 +178,14 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
         if encoding not in ("", "identity"):
             await response.aclose()
             raise InvalidServerOutput(f"the MCP server sent a {encoding!r}-encoded answer; only identity is accepted")
-        if not response.headers.get("content-type", "").lower().startswith("text/event-stream"):
+        content_type = response.headers.get("content-type", "").lower()
+        sse = content_type.startswith("text/event-stream")
+        if not sse:
             response.stream = _CappedBody(response.stream, self._max_bytes)
+        # The content types the SDK reads an answer from (the same test as its own).
+        if self._answer is not None and (sse or content_type.startswith("application/json")) \
+                and _is_tools_call(request):
+            response.stream = _WitnessedBody(response.stream, self._answer, self._max_bytes, sse=sse)
         return response
 
     async def aclose(self) -> None:
@@ -103,8 +193,8 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
 
 
 def _client(url: httpx.URL, headers: dict[str, str], timeout_s: float,
-            max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> Client:
-    transport = _CappedTransport(httpx2.AsyncHTTPTransport(trust_env=False), max_bytes)
+            max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES, answer: ServerAnswer | None = None) -> Client:
+    transport = _CappedTransport(httpx2.AsyncHTTPTransport(trust_env=False), max_bytes, answer)
     request_headers = httpx2.Headers(headers)
     request_headers["Accept-Encoding"] = "identity"  # whatever the config says: see _CappedTransport
     # follow_redirects off as well: the SDK itself only follows same-origin redirects.
@@ -149,11 +239,14 @@ def transport_error(exc: BaseException, what: str) -> ToolError:
     return ToolError("TOOL_ERROR", f"MCP {what} failed: {type(inner).__name__}: {inner}", retryable=True)
 
 
-def server_refused(exc: BaseException) -> bool:
-    """Whether `exc` carries the server's own JSON-RPC error answer (a definite refusal of the request),
-    not the SDK's report that the connection closed before an answer came."""
+def server_refused(exc: BaseException, answer: ServerAnswer) -> bool:
+    """Whether `exc` carries the server's own JSON-RPC error answer to tools/call (a definite refusal),
+    the one `answer` saw on the wire: not an error the SDK made up for an answer that never came or
+    could not be read, whatever its code."""
     refusal = _find(exc, MCPError)
-    return isinstance(refusal, MCPError) and refusal.code != CONNECTION_CLOSED
+    said = answer.error
+    return isinstance(refusal, MCPError) and said is not None and \
+        (refusal.code, refusal.message, refusal.data) == (said.code, said.message, said.data)
 
 
 def _jsonable(block: Any) -> Any:
@@ -181,16 +274,17 @@ class McpToolExecutor:
     async def _call(self, url: httpx.URL, headers: dict[str, str], remote: str, args: dict[str, Any],
                     idem_key: str, timeout: float, max_bytes: int) -> Any:
         calling = False  # the session is open and tools/call is on its way: the server may act on it
+        answer = ServerAnswer()
         try:
             with anyio.fail_after(timeout):
-                async with _client(url, headers, timeout, max_bytes) as client:
+                async with _client(url, headers, timeout, max_bytes, answer) as client:
                     calling = True
                     result = await client.call_tool(remote, args, meta={IDEMPOTENCY_META_KEY: idem_key})
         except ToolError:
             raise
         except Exception as exc:  # transport, protocol (MCPError) and timeouts alike
             error = transport_error(exc, f"tools/call {remote!r}")
-            error.effect_unknown = calling and call_may_have_arrived(exc)
+            error.effect_unknown = calling and call_may_have_arrived(exc, answer)
             raise error from exc
         return call_result(remote, result)
 
@@ -199,17 +293,18 @@ class McpToolExecutor:
 _NOTHING_SENT = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)
 
 
-def call_may_have_arrived(exc: BaseException) -> bool:
+def call_may_have_arrived(exc: BaseException, answer: ServerAnswer) -> bool:
     """Whether a tools/call that failed with `exc` may have reached the server and taken effect.
 
     A connection cut or timed out after the request went out (RemoteProtocolError, ReadError,
     WriteError, ReadTimeout, WriteTimeout, the SDK's CONNECTION_CLOSED when a stream ends without
-    the answer) or an answer that could not be read (oversized, not JSON-RPC) leaves it unknown:
-    the server may have done the work. Only a connection never made, or the server's own JSON-RPC
-    error answer, says it did not."""
+    the answer), an answer that could not be read (oversized, not JSON-RPC) or one the server did
+    not give (a proxy's 5xx, a 202: the SDK's own JSON-RPC errors) leaves it unknown: the server may
+    have done the work. Only a connection never made, or the server's own JSON-RPC error answer
+    (`server_refused`), says it did not."""
     if _find(exc, _NOTHING_SENT) is not None:
         return False
-    return not server_refused(exc)
+    return not server_refused(exc, answer)
 
 
 def call_result(remote: str, result: CallToolResult) -> dict[str, Any]:
