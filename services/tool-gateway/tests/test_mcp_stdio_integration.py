@@ -269,6 +269,36 @@ def test_a_server_that_floods_requests_ends_the_session_at_once(env):
     assert "too many requests from the server" in outcome.detail
 
 
+#: Log notifications without end (or answers to requests nobody sent), never reading stdin again.
+FLOODING_SERVERS = {
+    "notifications": UNTIL_THE_CALL + """
+line = b'{"jsonrpc":"2.0","method":"notifications/message","params":{"level":"info","data":"working"}}\\n'
+while True:
+    out.write(line * 1000)
+    out.flush()
+""",
+    "stray-answers": UNTIL_THE_CALL + """
+while True:
+    out.write(b"".join(b'{"jsonrpc":"2.0","id":%d,"result":{}}\\n' % (10**6 + i) for i in range(1000)))
+    out.flush()
+""",
+}
+
+
+@pytest.mark.parametrize("flood", sorted(FLOODING_SERVERS))
+def test_a_server_that_floods_notifications_ends_the_session_at_once(env, flood):
+    # Each notification cost the SDK a task (each stray answer a log line): the flood kept the session
+    # busy until the call's timeout.
+    server = StdioServer(command=("/usr/bin/python3", "-c", FLOODING_SERVERS[flood]))
+    [spec] = tool_specs_from_mcp_stdio(server, [_declared("anything")], timeout_ms=30_000)
+    outcome = env.run(spec.model_copy(update={"idempotent": True}), {})
+    assert isinstance(outcome, Failed) and outcome.error_code == "INVALID_RESULT", outcome
+    assert "too many notifications from the server" in outcome.detail
+    # The call had gone out: for a non-idempotent tool whether it did its work is unknown.
+    outcome = env.run(spec, {})
+    assert isinstance(outcome, Unknown) and outcome.detail.startswith("INVALID_RESULT:"), outcome
+
+
 def test_garbage_on_stdout_is_an_invalid_result(env, demo):
     tool = stdio_tool(demo, "add", env={**demo.env, "DEMO_BANNER": "demo server 1.0 starting..."})
     outcome = env.run(tool, {"a": 1, "b": 2})

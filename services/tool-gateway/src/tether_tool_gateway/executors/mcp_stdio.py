@@ -33,6 +33,7 @@ import anyio.to_thread
 import mcp_types
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from mcp import Client
+from mcp.shared.dispatcher import coerce_request_id
 from mcp.shared.message import SessionMessage
 from mcp_types import CallToolResult
 
@@ -71,6 +72,9 @@ _WALL_BACKSTOP_S = 1.0
 _READ_CHUNK = 65536
 #: Requests a server may send in one session; past this the session ends (INVALID_RESULT).
 MAX_SERVER_REQUESTS = 32
+#: Notifications (and answers to nothing the client asked) a server may send in one session; past this the
+#: session ends (INVALID_RESULT). A server may log or report progress while it works; a session is one call.
+MAX_SERVER_NOTIFICATIONS = 1000
 
 T = TypeVar("T")
 
@@ -112,11 +116,11 @@ class SandboxedStdio:
     The SDK's `stdio_client` spawns its own process and cannot pass bwrap the descriptors it
     needs, so this is the same two pipe tasks over a process SandboxRunner started. Unlike the
     SDK it is strict: a message longer than `max_message_bytes` (OversizedAnswer), a line that
-    is not a JSON-RPC message (InvalidServerOutput; the protocol allows nothing else on stdout) or
-    more than MAX_SERVER_REQUESTS requests from the server (InvalidServerOutput) ends the session
-    at once, and `problem` says which; `answer` keeps the server's own JSON-RPC error answer to
-    tools/call, if it sent one. `streams()` is the `Transport` to hand to `mcp.Client`; leaving it
-    kills the sandbox.
+    is not a JSON-RPC message (InvalidServerOutput; the protocol allows nothing else on stdout),
+    more than MAX_SERVER_REQUESTS requests or MAX_SERVER_NOTIFICATIONS notifications from the server
+    (InvalidServerOutput) ends the session at once, and `problem` says which; `answer` keeps the
+    server's own JSON-RPC error answer to tools/call, if it sent one. `streams()` is the `Transport`
+    to hand to `mcp.Client`; leaving it kills the sandbox.
     """
 
     def __init__(self, process: SandboxedProcess, *, max_message_bytes: int) -> None:
@@ -127,7 +131,10 @@ class SandboxedStdio:
         self.call_sent = False
         #: Requests the server sent us (pings: nothing else is offered to it), up to MAX_SERVER_REQUESTS.
         self.server_requests = 0
+        #: Notifications, and answers to no request of ours, the server sent us, up to MAX_SERVER_NOTIFICATIONS.
+        self.server_notifications = 0
         self.answer = ServerAnswer()
+        self._asked: set[mcp_types.RequestId] = set()  # our requests the server has not answered yet
 
     @asynccontextmanager
     async def streams(self) -> AsyncIterator[tuple[MemoryObjectReceiveStream[SessionMessage | Exception],
@@ -168,8 +175,10 @@ class SandboxedStdio:
                     async for message in write_reader:
                         data = message.message.model_dump_json(by_alias=True, exclude_unset=True) + "\n"
                         request = message.message if isinstance(message.message, mcp_types.JSONRPCRequest) else None
-                        if request is not None and request.method == "tools/call":
-                            self.answer.call_id = request.id  # first: the answer may be read before the write returns
+                        if request is not None:  # noted first: the answer may be read before the write returns
+                            self._asked.add(coerce_request_id(request.id))
+                            if request.method == "tools/call":
+                                self.answer.call_id = request.id
                         await _write_all(stdin, data.encode())
                         if request is not None and request.method == "tools/call":
                             self.call_sent = True
@@ -188,7 +197,7 @@ class SandboxedStdio:
                 tg.cancel_scope.cancel()
 
     def _message(self, line: bytes) -> SessionMessage | None:
-        """The line as a message, or None when it ends the session (too long, not JSON-RPC, one request too many)."""
+        """The line as a message, or None when it ends the session (too long, not JSON-RPC, one too many)."""
         if len(line) > self.max_message_bytes:
             self._fail(OversizedAnswer(f"the MCP server sent a message larger than {self.max_message_bytes} bytes"))
             return None
@@ -213,6 +222,18 @@ class SandboxedStdio:
             return SessionMessage(message)
         if isinstance(message, mcp_types.JSONRPCError) and self.answer.answers_call(message.id):
             self.answer.note(message)
+        answered = isinstance(message, (mcp_types.JSONRPCResponse, mcp_types.JSONRPCError)) and \
+            message.id is not None and coerce_request_id(message.id) in self._asked
+        if answered:
+            self._asked.discard(coerce_request_id(message.id))
+        else:
+            # A notification (or an answer to nothing we asked) costs the SDK a task or a log line
+            # each: a server that floods them would keep the session busy until the call's timeout.
+            self.server_notifications += 1
+            if self.server_notifications > MAX_SERVER_NOTIFICATIONS:
+                self._fail(InvalidServerOutput(f"too many notifications from the server (more than "
+                                               f"{MAX_SERVER_NOTIFICATIONS} in one session)"))
+                return None
         return SessionMessage(message)
 
     def _fail(self, problem: Exception) -> None:
