@@ -19,7 +19,8 @@ How a batch runs (docs/architecture.md, "The exactly-once loop"):
 Per-run states live in a `tether_messaging.statestore.StateStore`: a local SQLite cache of the
 changelog with a bounded LRU of decoded states, so an idle run costs no memory; ticks see only
 the runs whose timer is due (`TickContext.runs_due`, from the processor's optional
-`wake_at_ms`). docs/loop.md, "Per-run state".
+`wake_at_ms`). docs/loop.md, "Per-run state". A processor with `tick_after_backlog` has a newly
+assigned partition tick only once the input found there at the assignment is handled.
 
 Replay contract for handlers. The committed offset of a partition never passes its oldest
 input whose work is unfinished (work holds the input). After a crash or rebalance the new
@@ -527,7 +528,8 @@ class _TickCtx(_Ctx):
         raise ContextMisuse("start work from the tick context via for_partition(p)")
 
     def owned_partitions(self) -> Sequence[int]:
-        return sorted(set(self._loop._owned) - self._loop._to_restore)
+        # Partitions still reading their backlog (`tick_after_backlog`) do not tick yet.
+        return sorted(set(self._loop._owned) - self._loop._to_restore - set(self._loop._backlog))
 
     def runs_due(self, partition: int) -> Sequence[str]:
         store = self._loop._store
@@ -548,6 +550,8 @@ class _TickCtx(_Ctx):
     def for_partition(self, partition: int) -> _Ctx:
         if partition not in self._loop._owned or partition in self._loop._to_restore:
             raise ContextMisuse(f"partition {partition} is not owned by this instance")
+        if partition in self._loop._backlog:
+            raise ContextMisuse(f"partition {partition} does not tick before its backlog is read")
         return _Ctx(self._loop, self._batch, self._unit, partition, None, None)
 
 
@@ -655,6 +659,11 @@ class ProcessorLoop:
         #: Partitions held (paused) at a record this build cannot decode: (offset, reason). Until
         #: they are dropped (revoked, lost) or the loop ends; `ready` is false meanwhile.
         self._blocked: dict[TP, tuple[int, str]] = {}
+        #: Input topics whose backlog at assignment a partition's tick waits for
+        #: (`tether_messaging.processor.BacklogBeforeTick`; empty: ticks never wait).
+        self._tick_after_backlog = frozenset(getattr(processor, "tick_after_backlog", None) or ())
+        #: Partitions whose tick still waits: partition → {topic: end offset at assignment not yet reached}.
+        self._backlog: dict[int, dict[str, int]] = {}
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -826,6 +835,7 @@ class ProcessorLoop:
     def _restore_pending(self) -> None:
         partitions = sorted(self._to_restore)
         self._restore(partitions)
+        self._note_backlog(partitions)
         self._to_restore.clear()
         self._ready.set()
 
@@ -917,6 +927,7 @@ class ProcessorLoop:
         self._redeliver = [f for f in self._redeliver if self._work_partition(f) not in gone]
         for p in gone:
             self._owned.pop(p, None)
+            self._backlog.pop(p, None)
             if self._store is not None:
                 self._store.drop_partition(p)
             self._meta_has_holds.pop(p, None)
@@ -1004,6 +1015,57 @@ class ProcessorLoop:
                     raise RestoreTimeout(f"watermarks of {tp.topic}[{tp.partition}]: {err.str()}") from exc
                 self._log.info("restore_transient_error", error=err.str())
                 time.sleep(0.2)
+
+    def _note_backlog(self, partitions: Sequence[int]) -> None:
+        """Note the end offsets, now, of the inputs whose backlog the tick of these newly assigned
+        partitions waits for (`tick_after_backlog`), where the group's position is below them."""
+        tps = [TopicPartition(topic, p) for p in partitions
+               for topic in sorted(self._owned.get(p, set()) & self._tick_after_backlog)]
+        if not tps:
+            return
+        starts = self._committed_offsets(tps)
+        for tp in tps:
+            # The restorer reads read_committed, so `high` is the last stable offset: what the loop
+            # can read. Records appended later are not the backlog.
+            low, high = self._watermarks(tp)
+            start = starts.get((tp.topic, tp.partition), -1)
+            # No committed offset: the consumer starts at the earliest (auto.offset.reset). A
+            # position at the end already stays invalid (nothing is fetched), so it is settled here.
+            if max(start, low) < high:
+                self._backlog.setdefault(tp.partition, {})[tp.topic] = high
+        for p in sorted(set(partitions) & set(self._backlog)):
+            self._log.info("tick_waits_for_backlog", partition=p, ends=self._backlog[p])
+
+    def _committed_offsets(self, tps: list[TopicPartition]) -> dict[TP, int]:
+        deadline = time.monotonic() + self.config.restore_timeout_s
+        while True:
+            try:
+                return {(tp.topic, tp.partition): tp.offset for tp in self._consumer.committed(tps, timeout=5)}
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.fatal() or time.monotonic() > deadline:
+                    raise RestoreTimeout(f"committed offsets of {self._group}: {err.str()}") from exc
+                self._log.info("restore_transient_error", error=err.str())
+                time.sleep(0.2)
+
+    def _note_backlog_read(self) -> None:
+        """After a batch: the partitions whose backlog at assignment has now been handled tick again.
+
+        The consumer's position is past every record it returned (and past transaction markers and
+        aborted records, which it never returns); a record it returned that is not handled yet is in
+        `_buffer` (carried to the next batch), and a blocked partition's are never handled. An
+        aborted batch does not get here: the rewound records are handled again first."""
+        unhandled = {(m.topic(), m.partition()) for m in self._buffer}
+        for p, ends in list(self._backlog.items()):
+            for topic, end in list(ends.items()):
+                if (topic, p) in unhandled or (topic, p) in self._blocked:
+                    continue
+                [position] = self._consumer.position([TopicPartition(topic, p)])
+                if position.offset >= end:
+                    del ends[topic]
+            if not ends:
+                del self._backlog[p]
+                self._log.info("backlog_read", partition=p)
 
     def _restore_meta(self, p: int, value: bytes | None) -> None:
         meta = json.loads(value) if value else {}
@@ -1180,6 +1242,8 @@ class ProcessorLoop:
         WORK_IN_FLIGHT.labels(self._name).set(len(self._work))
         WORK_WAITING.labels(self._name).set(len(self._pool))
         BATCHES.labels(self._name, "deferred" if deferred else "committed").inc()
+        if self._backlog:
+            self._note_backlog_read()
 
     def _may_defer_commit(self, batch: _Batch, finished: list[_Finished]) -> bool:
         """Whether this batch may end without committing its offsets (`noop_commit_ms`): nothing

@@ -8,7 +8,7 @@ emitted records, per-run state checkpoints, and the input offsets.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -173,10 +173,29 @@ class RunTimers(Protocol):
         ...
 
 
+class BacklogBeforeTick(Protocol):
+    """What a processor whose timers must not act on a partition before its backlog is read adds
+    (optional: the loop looks for it; only the approval service sets it).
+
+    A restarted or rebalanced loop ticks as soon as it has restored the states, often before it
+    has read the input that piled up meanwhile: a timer that decides "nothing came in time" (an
+    approval's expiry) would then decide against a record that did come in time and waits unread.
+    With `tick_after_backlog` the loop notes, when it is assigned a partition, the end offsets
+    (last stable offsets: read_committed) of those topics' partitions, and leaves the partition out
+    of `TickContext.owned_partitions` until it has handled its input up to them.
+    """
+
+    #: Input topics (of `inputs`) whose backlog at assignment the tick of a partition waits for.
+    tick_after_backlog: Collection[str]
+
+
 class TickContext(Context, Protocol):
     """Context for `on_tick`: the partitions this instance owns and the runs due in them."""
 
-    def owned_partitions(self) -> Sequence[int]: ...
+    def owned_partitions(self) -> Sequence[int]:
+        """The partitions this instance owns and has restored; for a processor with
+        `BacklogBeforeTick`, only those whose backlog at assignment it has handled."""
+        ...
 
     def runs_due(self, partition: int) -> Sequence[str]:
         """Runs of the partition whose wake time (`RunTimers.wake_at_ms`) is at or before

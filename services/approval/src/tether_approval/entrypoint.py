@@ -25,6 +25,7 @@ class ApprovalProcessor:
 
     Consumes the run event log and the commands topic; per-run state is `RunApprovals`,
     checkpointed to the `approval` changelog in the same transaction as the decisions emitted.
+    Its tick (expiry) waits on each partition until the input backlog found at assignment is read.
     """
 
     name = "approval"
@@ -37,6 +38,12 @@ class ApprovalProcessor:
         # Every other event on these topics belongs to another service: the loop passes over
         # them by their type header instead of decoding them (tether_messaging.processor.EventFilter).
         self.event_types = {topic: frozenset(cls.AVRO_NAME for cls in table) for topic, table in self._tables.items()}
+        # Expiry decides that no decision came in time. After a restart or rebalance the loop would
+        # tick as soon as the states are restored, before it has read the decisions (commands) and
+        # requests, withdrawals and run ends (run events) that piled up meanwhile: approvals a human
+        # decided in time would expire. A partition ticks only once that backlog is handled
+        # (tether_messaging.processor.BacklogBeforeTick).
+        self.tick_after_backlog = frozenset(self.inputs)
 
     def handle(self, msg: Inbound, ctx: Context) -> None:
         table = self._tables.get(msg.topic)

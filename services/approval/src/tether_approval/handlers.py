@@ -336,7 +336,8 @@ def _empty(run: RunApprovals) -> bool:
 
 def expire_approvals(ctx: TickContext, *, deps: Deps) -> None:
     """Every tick: EXPIRED for pending approvals past expires_at_ms and the grace (at ctx.now_ms), and refuse
-    early decisions whose request never came (in the runs due by `domain.decisions.wake_at`)."""
+    early decisions whose request never came (in the runs due by `domain.decisions.wake_at`). Only on the
+    partitions whose input backlog at assignment is read: the loop shows no other (`tick_after_backlog`)."""
     now_ms = ctx.now_ms
     for partition in ctx.owned_partitions():
         pctx = ctx.for_partition(partition)

@@ -46,8 +46,10 @@ class ApprovalSettings(LoopServiceSettings):
     expiry_grace_ms: int = Field(
         30_000, ge=0,
         description="How long past an approval's expiry the service waits before it emits EXPIRED, so a decision "
-        "recorded in time but read late (after a restart the service may tick before it has read the commands "
-        "backlog) still wins. A decision recorded after the expiry is refused either way.",
+        "run-api recorded in time but whose record reached the commands topic a little later (its produce; the two "
+        "hosts' clocks) still wins. After a restart or rebalance no expiry waits on this: a partition's expiry runs "
+        "only once the commands and run events already there are read. A decision recorded after the expiry is "
+        "refused either way.",
     )
 
     # -- the approver webhook (best-effort) -----------------------------------------------------

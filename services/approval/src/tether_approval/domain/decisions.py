@@ -54,10 +54,12 @@ class ApprovalPolicy:
     max_early_decisions: int = 32
     #: How long such an early decision waits for its request before it is refused.
     early_decision_ttl_ms: int = DAY_MS
-    #: How long past `expires_at_ms` expiry waits. A decision recorded in time can be read after
-    #: a tick past the expiry (after a restart the loop ticks before it has read the commands
-    #: backlog); run-api answered it APPROVED, so it must still win. Within the grace a pending
-    #: approval takes a decision recorded by `expires_at_ms`, and refuses a later one as before.
+    #: How long past `expires_at_ms` expiry waits. run-api records a decision's time before its
+    #: record reaches the commands topic (its produce, and the two hosts' clocks differ), and it
+    #: answered it APPROVED, so it must still win. (The backlog found after a restart or rebalance
+    #: is read before any expiry whatever the grace: the loop's `tick_after_backlog`.) Within the
+    #: grace a pending approval takes a decision recorded by `expires_at_ms`, and refuses a later
+    #: one as before.
     expiry_grace_ms: int = 30_000
 
 
