@@ -211,7 +211,7 @@ def test_a_model_answering_garbage_three_times_fails_the_step_and_the_run(baseli
     assert "3 consecutive" in failed[0].detail and "INVALID_ARGS" in failed[0].detail, failed[0].detail
     assert isinstance(payloads[-1], RunTerminated) and payloads[-1].reason_code == "MODEL_FAILED"
     assert not [p for p in payloads if isinstance(p, ToolCallRequested)]
-    assert not [r for r in system.sink_records("kv") if r["key"].startswith(f"bad/{run_id}")]
+    assert not [r for r in system.sink_records("kv") if f"bad/{run_id}" in r["key"]]
 
 
 def test_a_model_that_fixes_its_calls_after_structured_errors_completes(baseline, tether_system, runs, event_log):
@@ -231,7 +231,7 @@ def test_a_model_that_fixes_its_calls_after_structured_errors_completes(baseline
         ("1.0", "kv_put", {"key": f"ok/{run_id}", "value": {"fixed": True}})]
     step_one = [p for p in payloads if isinstance(p, ModelCallCompleted) and p.step == 1]
     assert len(step_one) == 1 and step_one[0].tool_call_count == 1
-    writes = [r for r in system.sink_records("kv") if r["key"] == f"ok/{run_id}"]
+    writes = [r for r in system.sink_records("kv") if r["key"] == system.kv_store_key(f"ok/{run_id}")]
     assert [r["applied"] for r in writes] == [True]
 
 
@@ -243,7 +243,7 @@ def test_nothing_crashed_and_nothing_was_lost(baseline, tether_system, runs, eve
         log = event_log.run(run_id)
         assert [e.seq for e in log] == list(range(1, len(log) + 1)) and verify_chain(log) == []
         for n in (1, 2):
-            writes = [r for r in system.sink_records("kv") if r["key"] == f"bystander/{run_id}/{n}"]
+            writes = [r for r in system.sink_records("kv") if r["key"] == system.kv_store_key(f"bystander/{run_id}/{n}")]
             assert [r["applied"] for r in writes] == [True], writes
     for name in SERVICES:
         proc = system.processes[name]

@@ -157,11 +157,18 @@ def test_twenty_canaries_in_eight_encodings_are_found_nowhere(canary_system, can
     page = CanaryPage(canaries)
     try:
         run_id = system.client.submit(f"[scenario:e2e-canary] Read {page.url} and keep a copy.")
-        deadline = time.monotonic() + 120
-        while (run := system.client.get_run(run_id)).status not in TERMINAL:
-            if time.monotonic() > deadline:
-                pytest.fail("the canary run did not end\n" + system.log_tail("tool-gateway", 30))
-            time.sleep(0.3)
+        # Keeping a copy of a page it read is kv_put on a tainted run: a human approves it (TAINTED_EGRESS),
+        # which also puts the approval path's events and rows among the places searched below.
+        asked = []
+        for event in system.client.follow(run_id, timeout_s=120):
+            if event.event_type == "tether.v1.ApprovalRequested":
+                request = json.loads(event.payload_json)
+                asked.append((request["tool_name"], request["reasons"]))
+                system.approver.decide(request["approval_id"], request["args_hash"], approve=True)
+        run = system.client.get_run(run_id)
+        if run.status not in TERMINAL:
+            pytest.fail("the canary run did not end\n" + system.log_tail("tool-gateway", 30))
+        assert asked == [("kv_put", ["TAINTED_EGRESS"])]
     finally:
         page.close()
     assert run.status == runs_pb.RUN_STATUS_COMPLETED, system.log_tail("tool-gateway", 30)
@@ -173,7 +180,7 @@ def test_twenty_canaries_in_eight_encodings_are_found_nowhere(canary_system, can
     bodies = [json.dumps(r["body"]) for r in system.model_requests() if r["headers"].get("x-tether-run") == run_id]
     assert any("Status page. c00 raw" in b for b in bodies)
     assert any("[REDACTED" in b for b in bodies)
-    assert [r for r in system.sink_records("kv") if r.get("key") == f"canary/{run_id}"]
+    assert [r for r in system.sink_records("kv") if r.get("key") == system.kv_store_key(f"canary/{run_id}")]
 
     needles = {f"{name}/{form}": text.encode() for name, value in canaries.items()
                for form, text in encodings(value).items() if form != "split"}

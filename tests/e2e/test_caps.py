@@ -139,5 +139,5 @@ def test_a_cap_ends_the_run_with_its_reason_and_a_report(name, capped_runs, teth
     asked = sorted({int(r["headers"]["x-tether-step"]) for r in system.model_requests()
                     if r["headers"].get("x-tether-run") == run_id})
     assert asked == list(case.model_steps), f"{name}: the model was asked for steps {asked}"
-    written = {r["key"] for r in system.sink_records("kv") if r["key"].startswith(f"cap/{run_id}/") and r["applied"]}
-    assert written == {f"cap/{run_id}/{step}" for step in case.steps_with_effects}, f"{name}: kv writes {written}"
+    written = {r["key"] for r in system.sink_records("kv") if r["key"].startswith(system.kv_store_key(f"cap/{run_id}/")) and r["applied"]}
+    assert written == {system.kv_store_key(f"cap/{run_id}/{step}") for step in case.steps_with_effects}, f"{name}: kv writes {written}"

@@ -176,7 +176,7 @@ def test_an_idempotent_call_killed_between_its_effect_and_its_answer_is_applied_
     # store answered from its first write instead of applying a second one.
     writes = [r for r in system.sink_records("kv") if r["idempotency_key"] == key]
     assert [(r["applied"], r["duplicate"]) for r in writes] == [(True, False), (False, True)], writes
-    assert {r["key"] for r in writes} == {f"gw/{run_id}"}
+    assert {r["key"] for r in writes} == {system.kv_store_key(f"gw/{run_id}")}
     row = ledger_row(system, pg_dsn, key)
     assert row["attempt"] == 2 and row["status"] == "COMPLETED"
 

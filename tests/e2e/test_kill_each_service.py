@@ -151,7 +151,7 @@ def test_a_run_survives_a_sigkill_of(service, tether_system, runs, event_log):
     # -- every effect exactly once, counted where it landed -------------------------------------------
     for cid, key in (("1.0", f"kill/{run_id}/1"), ("3.0", f"kill/{run_id}/2")):
         writes = [r for r in system.sink_records("kv") if r["idempotency_key"] == requested[cid].idem_key]
-        assert writes and all(r["key"] == key for r in writes), f"{plan}: {writes}"
+        assert writes and all(r["key"] == system.kv_store_key(key) for r in writes), f"{plan}: {writes}"
         assert sum(bool(r["applied"]) for r in writes) == 1, f"{plan}: kv {key} applied {writes}"
     mails = [r for r in system.sink_records("smtp") if r["idempotency_key"] == requested["2.0"].idem_key]
     assert len(mails) == 1 and mails[0]["subject"] == f"kill {run_id}", f"{plan}: {mails}"

@@ -105,7 +105,7 @@ def test_three_tool_calls_complete_and_log_read_model_and_sinks_agree(tether_sys
     fetched = [r for r in system.sink_records("http") if r["path"] == urlsplit(url).path]
     assert len(fetched) == 1 and fetched[0]["method"] == "GET"
     writes = [r for r in system.sink_records("kv") if r["idempotency_key"] == requested["1.1"].idem_key]
-    assert len(writes) == 1 and writes[0]["applied"] is True and writes[0]["key"] == f"e2e/{run_id}"
+    assert len(writes) == 1 and writes[0]["applied"] is True and writes[0]["key"] == system.kv_store_key(f"e2e/{run_id}")
     mails = [r for r in system.sink_records("smtp") if r["idempotency_key"] == requested["2.0"].idem_key]
     assert len(mails) == 1 and mails[0]["subject"] == f"e2e {run_id}"
 

@@ -136,7 +136,8 @@ def test_intent_without_result_idempotent_kv_put_re_runs_with_the_same_key_one_e
     claim = dead.ledger.claim(intent, GW0, 30_000)
     assert isinstance(claim, Execute)
     # The effect happened, then the process died before writing the result.
-    httpx.put(f"{kv.url}/kv/k1", json={"value": {"v": 3}}, headers={"Idempotency-Key": intent.idem_key})
+    httpx.put(f"{kv.url}/kv/t1%2Fk1", json={"value": {"v": 3}},  # the tenant's key, as the executor sends it
+              headers={"Idempotency-Key": intent.idem_key})
     outcome = pg(GW0_REBORN).run(intent, tool)
     assert isinstance(outcome, Completed) and not outcome.replayed
     assert json.loads(outcome.result_json) == {"key": "k1", "version": 1, "deduplicated": True}

@@ -150,7 +150,8 @@ def test_allowed_call_executes_off_the_loop_and_completes(gw):
     assert (authorized.call_id, authorized.idem_key, authorized.tool_name, authorized.args_hash) == (
         call.call_id, call.idem_key, "kv_put", call.args_hash)
     assert authorized.risk_class is RiskClass.WRITE and authorized.tool_version == 1
-    assert authorized.reasons == ["GRANTED", "ARGS_VALID", "RISK_CLASS_NEEDS_NO_APPROVAL"]
+    # kv_put is egress (a tainted run would need a human to write); this run is untainted.
+    assert authorized.reasons == ["GRANTED", "ARGS_VALID", "RISK_CLASS_NEEDS_NO_APPROVAL", "EGRESS_UNTAINTED"]
     assert authorized.policy_version == gw.policy.version and len(authorized.inputs_hash) == 64
     # No argument values: only their hash (ToolCallRequested holds the arguments).
     assert "greeting" not in authorized.model_dump_json() and "hi" not in authorized.model_dump_json()

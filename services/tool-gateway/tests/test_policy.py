@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tether_contracts.records import ApprovalOutcome, RiskClass, ToolSpec
-from tether_tool_gateway.builtin_tools import http_get_spec, kv_put_spec, send_email_spec
+from tether_tool_gateway.builtin_tools import http_get_spec, kv_get_spec, kv_put_spec, send_email_spec
 from tether_tool_gateway.domain.canonical import canonical_json, sha256_hex
 from tether_tool_gateway.domain.policy import (
     Allow,
@@ -36,7 +36,8 @@ NOW = 1_700_000_000_000
 EMAIL = send_email_spec("127.0.0.1", 25, "agent@tether.test", recipient_domains=["example.com", "evil.example"])
 FETCH = http_get_spec(["docs.example.com"])
 PUT = kv_put_spec("http://127.0.0.1:1")
-ALL = ["http_get", "kv_put", "send_email", "refund"]
+GET = kv_get_spec("http://127.0.0.1:1")
+ALL = ["http_get", "kv_put", "kv_get", "send_email", "refund"]
 
 
 def refund_tool() -> ToolSpec:
@@ -145,8 +146,11 @@ def test_schema_is_checked_before_constraints():
 def test_default_policy_asks_a_human_for_irreversible_only():
     p = TrustPolicy()
     assert isinstance(verdict(p, inputs(FETCH, FETCH_ARGS)), Allow)
-    # kv_put has no argument constraints: nothing to meet.
-    assert verdict(p, inputs(PUT, PUT_ARGS)) == Allow(("GRANTED", "ARGS_VALID", "RISK_CLASS_NEEDS_NO_APPROVAL"))
+    # kv_put has no argument constraints: nothing to meet. It is egress (what it stores, later runs read
+    # back as trusted content), and this run is untainted.
+    assert verdict(p, inputs(PUT, PUT_ARGS)) == Allow(
+        ("GRANTED", "ARGS_VALID", "RISK_CLASS_NEEDS_NO_APPROVAL", "EGRESS_UNTAINTED"))
+    assert verdict(p, inputs(GET, {"key": "k"})) == Allow(("GRANTED", "ARGS_VALID", "RISK_CLASS_NEEDS_NO_APPROVAL"))
     v = verdict(p, inputs(EMAIL, EMAIL_ARGS))
     assert v == RequireApproval(("RISK_CLASS",), NOW + DEFAULT_APPROVAL_TTL_MS)
 
@@ -201,7 +205,9 @@ def test_a_tainted_run_needs_approval_for_egress_tools_only():
     assert verdict(p, inputs(EMAIL, EMAIL_ARGS, tenant_id="t-ops", agent_id="a-careful", **tainted)).reasons == \
         ("POLICY", "TAINTED_EGRESS")
     # Non-egress tools run on a tainted run as they would otherwise.
-    assert isinstance(verdict(p, inputs(PUT, PUT_ARGS, **tainted)), Allow)
+    assert isinstance(verdict(p, inputs(GET, {"key": "k"}, **tainted)), Allow)
+    # kv_put is egress: a tainted run must not store what it read for later runs to trust without a human.
+    assert verdict(p, inputs(PUT, PUT_ARGS, **tainted)) == RequireApproval(("TAINTED_EGRESS",), NOW + 3_600_000)
     # http_get is egress (its URL leaves): without taint.follow_links every fetch on a tainted run asks.
     assert verdict(p, inputs(FETCH, FETCH_ARGS, **tainted)) == RequireApproval(("TAINTED_EGRESS",), NOW + 3_600_000)
 

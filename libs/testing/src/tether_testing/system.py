@@ -405,6 +405,11 @@ class TetherSystem:
 
         return read_records(self.sink_record_path(kind))
 
+    def kv_store_key(self, key: str, tenant_id: str | None = None) -> str:
+        """The key the shared KV sink records for a tenant's `key` (the system's tenant by default): the
+        gateway's kv_put/kv_get put every key under its tenant's id, so tenants never read each other's."""
+        return f"{tenant_id or self.bootstrap.tenant_id}/{key}"
+
     def model_requests(self) -> list[dict[str, Any]]:
         from tether_modelserver.server import read_request_log
 

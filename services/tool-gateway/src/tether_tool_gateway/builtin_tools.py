@@ -108,7 +108,9 @@ def http_get_spec(allow_hosts: Sequence[str], *, max_body_bytes: int = 1024 * 10
 
 
 def kv_put_spec(kv_url: str, *, timeout_ms: int = 10_000, version: int = 1) -> ToolSpec:
-    """Write a key in the KV store; the call's idem_key is sent as Idempotency-Key, so it is idempotent."""
+    """Write a key in the KV store; the call's idem_key is sent as Idempotency-Key, so it is idempotent.
+
+    Each tenant has its own keys (the executor puts the key under the tenant's id)."""
     return ToolSpec(
         name=KV_PUT,
         version=version,
@@ -117,6 +119,9 @@ def kv_put_spec(kv_url: str, *, timeout_ms: int = 10_000, version: int = 1) -> T
         risk_class=RiskClass.WRITE,
         idempotent=True,
         untrusted_source=False,
+        # What it stores, later runs read back with kv_get as trusted content: a run that has read
+        # untrusted content must not launder it there without a human (it moves data out of the run).
+        egress=True,
         executor_kind=EXECUTOR_KIND,
         executor_config_json=_json({"builtin": KV_PUT, "base_url": kv_url.rstrip("/")}),
         timeout_ms=timeout_ms,

@@ -209,7 +209,13 @@ def _page(url: httpx.URL, response: httpx.Response, body: bytes, truncated: bool
 
 
 # -- kv ----------------------------------------------------------------------------------------
-def _kv_url(config: dict[str, Any], key: str) -> str:
+def _kv_url(config: dict[str, Any], request: ExecutionRequest) -> str:
+    """The key's URL in the tenant's own part of the store: every tenant's calls go to one kv_url, and
+    a value one tenant's run wrote (perhaps injected text) must never reach another's as trusted content."""
+    tenant = request.tenant_id
+    if not tenant or "/" in tenant:  # tenant ids are [a-z][a-z0-9-]*: nothing to confuse with a key's path
+        raise ToolError("EXECUTOR_UNAVAILABLE", f"no KV namespace for tenant id {tenant!r}")
+    key = f"{tenant}/{request.args['key']}"
     return f"{str(_require(config, 'base_url')).rstrip('/')}/kv/{quote(key, safe='')}"
 
 
@@ -230,7 +236,7 @@ def kv_put(request: ExecutionRequest, config: dict[str, Any], secrets: SecretPro
     key = request.args["key"]
     try:
         with call_deadline(time.monotonic() + request.timeout_s):
-            response = _kv_client().put(_kv_url(config, key), json={"value": request.args["value"]},
+            response = _kv_client().put(_kv_url(config, request), json={"value": request.args["value"]},
                                         headers={"Idempotency-Key": request.idem_key}, timeout=_timeout(request))
     except httpx.HTTPError as exc:
         raise http_transport_error(exc) from exc
@@ -247,7 +253,7 @@ def kv_get(request: ExecutionRequest, config: dict[str, Any], secrets: SecretPro
     key = request.args["key"]
     try:
         with call_deadline(time.monotonic() + request.timeout_s):
-            response = _kv_client().get(_kv_url(config, key), timeout=_timeout(request))
+            response = _kv_client().get(_kv_url(config, request), timeout=_timeout(request))
     except httpx.HTTPError as exc:
         raise http_transport_error(exc) from exc
     if response.status_code == 404:
