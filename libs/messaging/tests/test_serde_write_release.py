@@ -22,6 +22,8 @@ import pytest
 from tether_contracts.records import Envelope, ModelCallCompleted, RunAccepted
 from tether_contracts.samples import collect_named, sample_datum
 from tether_contracts.schemas import BUNDLED, SchemaSet, load_schema_set, schema_set
+from tether_messaging.chain import GENESIS_HASH, seal, verify_chain
+from tether_messaging.envelopes import headers_for, make_envelope
 from tether_messaging.registry import RegistryCodec, SchemaRegistryClient
 from tether_messaging.serde import (
     WRITE_RELEASE_ENV,
@@ -175,3 +177,72 @@ def test_an_envelope_codec_with_the_pin_round_trips_through_the_old_consumer(tmp
     envelope = sample(Envelope, schemas)
     data = SingleObjectCodec(schemas, write_pin("v1", schemas)).encode_value(envelope, "t")
     assert decode_as(data, Envelope, old_consumer()).avro_datum() == envelope.avro_datum()
+
+
+# -- the envelope names the schema its payload was written with ------------------------------------------
+def _sealed_log(schemas: SchemaSet, pin) -> list[Envelope]:
+    """A run's first two events, enveloped with `pin` and sealed into a chain."""
+    records = (sample(RunAccepted, schemas, loop_guard_version=3), sample(ModelCallCompleted, schemas,
+                                                                         usage_estimated=True))
+    log, prev = [], GENESIS_HASH
+    for seq, record in enumerate(records, start=1):
+        env = seal(make_envelope(record, run_id="r1", tenant_id="t1", event_id=f"e{seq}", producer="budget",
+                                 recorded_at_ms=1000 + seq, schemas=schemas, pin=pin), seq, prev)
+        log.append(env)
+        prev = env.hash
+    return log
+
+
+def test_under_a_pin_the_envelope_names_the_released_schema_its_payload_was_written_with(tmp_path):
+    # The envelope named the current schema while the payload was written with the release's: the
+    # chain hash covered a fingerprint that decodes nothing the payload holds, and the
+    # tether-schema-fingerprint header told consumers of the old release a schema they do not know.
+    schemas = load_schema_set(upgrade_root(tmp_path))
+    old = old_consumer()
+    log = _sealed_log(schemas, write_pin("v1", schemas))
+    for env in log:
+        name = env.event_type
+        assert env.schema_fingerprint == bytes(env.payload[2:10]).hex() == old.fingerprint_of(name).hex()
+        assert env.schema_fingerprint != schemas.fingerprint_of(name).hex()
+        assert schemas.writers[bytes.fromhex(env.schema_fingerprint)].release == "v1"
+        assert dict(headers_for(env))["tether-schema-fingerprint"] == env.schema_fingerprint.encode()
+        assert type(decode(bytes(env.payload), old)).AVRO_NAME == name  # the old release reads what it names
+    assert verify_chain(log) == []
+    seen_by_old = [decode_as(SingleObjectCodec(old, None).encode_value(env, "t"), Envelope, old) for env in log]
+    assert verify_chain(seen_by_old) == []  # and its auditor verifies the chain
+
+
+def test_without_a_pin_the_envelope_names_the_current_schema_as_before(tmp_path):
+    schemas = load_schema_set(upgrade_root(tmp_path))
+    log = _sealed_log(schemas, None)
+    for env in log:
+        assert env.schema_fingerprint == schemas.fingerprint_of(env.event_type).hex() == bytes(env.payload[2:10]).hex()
+    assert verify_chain(log) == []
+    # The bundled schemas, the process's (absent) pin: what every service writes today.
+    env = make_envelope(sample(RunAccepted, schema_set()), run_id="r", tenant_id="t", event_id="e", producer="p",
+                        recorded_at_ms=0)
+    assert env.schema_fingerprint == schema_set().fingerprint_of(RunAccepted.AVRO_NAME).hex()
+
+
+def test_the_process_pin_reaches_the_envelope(tmp_path):
+    root = upgrade_root(tmp_path)
+    code = f"""
+import random
+from pathlib import Path
+from tether_contracts.records import RunAccepted
+from tether_contracts.samples import collect_named, sample_datum
+from tether_contracts.schemas import load_schema_set
+from tether_messaging.envelopes import make_envelope
+schemas = load_schema_set(Path({str(root)!r}))
+schema = schemas.standalone[RunAccepted.AVRO_NAME]
+record = RunAccepted.from_avro(sample_datum(schema, collect_named(schema), random.Random(7)))
+env = make_envelope(record.model_copy(update={{"loop_guard_version": 3}}), run_id="r", tenant_id="t", event_id="e",
+                    producer="budget", recorded_at_ms=0, schemas=schemas)
+print(env.schema_fingerprint, bytes(env.payload[2:10]).hex())
+"""
+    pinned, unpinned = _run("v1", code), _run(None, code)
+    assert pinned.returncode == 0, pinned.stderr
+    released = old_consumer().fingerprint_of(RunAccepted.AVRO_NAME).hex()
+    assert pinned.stdout.split() == [released, released]
+    current = load_schema_set(root).fingerprint_of(RunAccepted.AVRO_NAME).hex()
+    assert unpinned.stdout.split() == [current, current]

@@ -6,8 +6,8 @@ import hashlib
 
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import Envelope
-from tether_contracts.schemas import schema_set
-from tether_messaging.serde import encode
+from tether_contracts.schemas import SchemaSet
+from tether_messaging.serde import FROM_PROCESS, HEADER_LEN, MAGIC, PinChoice, encode
 
 
 def make_envelope(
@@ -20,15 +20,26 @@ def make_envelope(
     recorded_at_ms: int,
     causation_id: str | None = None,
     traceparent: str | None = None,
+    schemas: SchemaSet | None = None,
+    pin: PinChoice = FROM_PROCESS,
 ) -> Envelope:
-    """Wrap a command or event in an unsequenced envelope."""
+    """Wrap a command or event in an unsequenced envelope.
+
+    The payload is single-object encoded with the process's write pin (TETHER_SCHEMA_WRITE_RELEASE)
+    unless `pin` says otherwise, and `schema_fingerprint` is the fingerprint in the encoded payload's
+    header: the schema the payload was written with (under a pin the release's, else the current one),
+    so the envelope, and the hash chain that covers it, never names a schema the payload was not written with.
+    """
+    data = encode(payload, schemas, pin)
+    if data[: len(MAGIC)] != MAGIC or len(data) < HEADER_LEN:  # encode always writes the single-object header
+        raise ValueError(f"{payload.AVRO_NAME}: the payload is not single-object encoded")
     return Envelope(
         event_id=event_id,
         tenant_id=tenant_id,
         run_id=run_id,
         event_type=payload.AVRO_NAME,
-        schema_fingerprint=schema_set().fingerprint_of(payload.AVRO_NAME).hex(),
-        payload=encode(payload),
+        schema_fingerprint=data[len(MAGIC):HEADER_LEN].hex(),
+        payload=data,
         recorded_at_ms=recorded_at_ms,
         producer=producer,
         causation_id=causation_id,
