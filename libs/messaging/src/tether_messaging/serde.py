@@ -335,7 +335,12 @@ def decode_as(
 
 
 def fingerprint_hex(record_type: type[AvroRecord], schemas: SchemaSet | None = None) -> str:
-    """Lowercase hex of a record type's current fingerprint (the envelope's `schema_fingerprint`)."""
+    """Lowercase hex of a record type's current schema's fingerprint.
+
+    It is an envelope's `schema_fingerprint` only when the payload is written with the current
+    schema; under a write pin (TETHER_SCHEMA_WRITE_RELEASE) the envelope names the pinned schema,
+    read off the encoded payload (`make_envelope`).
+    """
     return (schemas or schema_set()).fingerprint_of(record_type.AVRO_NAME).hex()
 
 
