@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from jsonschema import Draft7Validator
 from mcp.server.mcpserver import MCPServer
-from mcp_types import Tool as McpToolInfo
+from mcp_types import Tool as McpToolInfo, methods as mcp_methods
 from typer.testing import CliRunner
 
 from tether_contracts.records import RiskClass, ToolSpec
@@ -249,6 +249,65 @@ def test_import_mcp_refuses_draft_07_schemas_whose_meaning_changed_naming_tool_a
     assert "create_ticket" not in said and "nothing was registered" in said and "--only" in said
     assert env.catalog.tools == {}  # not even the tool that converts: the import is all or nothing
     assert invoke("tools", "import-mcp", ts_server.url, "--only", "refund", "--dry-run").exit_code != 0
+
+
+#: zod's named output (`zodToJsonSchema(schema, "Ticket")`): the root only refers to a definition, no root "type".
+NAMED_TICKET = {
+    "$ref": "#/definitions/Ticket",
+    "definitions": {"Ticket": {
+        "type": "object",
+        "properties": {"email": {"type": "string", "pattern": "@"},
+                       "cc": {"type": "array", "items": {"$ref": "#/definitions/Ticket"}}},
+        "required": ["email"],
+        "additionalProperties": False,
+    }},
+    "$schema": DRAFT_07,
+}
+NAMED_CALLS = [{"email": "a@x"}, {"email": "a@x", "cc": [{"email": "b@x"}]}, {}, {"email": "nope"},
+               {"email": "a@x", "extra": 1}, {"email": "a@x", "cc": [{"email": "b@x", "extra": 1}]}]
+
+
+@pytest.fixture
+def unchecked_listing(monkeypatch):
+    """The Python SDK's server refuses to send an input schema without a root "type" (its own result
+    model), which servers on other SDKs send and the client reads: let tools/list through as declared."""
+    checked = mcp_methods.serialize_server_result
+
+    def as_declared(method, version, data, **kwargs):
+        return dict(data) if method == "tools/list" else checked(method, version, data, **kwargs)
+
+    monkeypatch.setattr(mcp_methods, "serialize_server_result", as_declared)
+
+
+def test_import_mcp_keeps_a_named_schema_whose_root_is_a_ref_and_validates_calls_as_declared(env,
+                                                                                           unchecked_listing):
+    # The root had no "type": "object", so the import registered {"type": "object"}: any arguments passed.
+    running = start_mcp_server(TypeScriptLikeServer({"named_ticket": NAMED_TICKET}))
+    try:
+        out = invoke("tools", "import-mcp", running.url).output
+    finally:
+        running.stop()
+    assert "registered tool named_ticket v1 (IRREVERSIBLE)" in out, out
+    stored = tool("named_ticket")["args_schema_json"]
+    schema = json.loads(stored)
+    assert schema["type"] == "object" and schema["required"] == ["email"] and "$ref" not in schema
+    assert schema["properties"]["cc"]["items"] == {"$ref": "#/$defs/Ticket"}  # draft-07's definitions, converted
+    as_draft_07 = [Draft7Validator(NAMED_TICKET).is_valid(i) for i in NAMED_CALLS]
+    assert as_draft_07 == [True, True, False, False, False, False]
+    assert _verdicts(stored, NAMED_CALLS) == as_draft_07
+
+
+def test_import_mcp_refuses_a_schema_no_arguments_object_can_match(env, unchecked_listing):
+    running = start_mcp_server(TypeScriptLikeServer({
+        "lookup": {"$ref": "#/definitions/Id", "definitions": {"Id": {"type": "string"}}, "$schema": DRAFT_07},
+        "fine": {"type": "object"}}))
+    try:
+        said = failure(invoke("tools", "import-mcp", running.url))
+    finally:
+        running.stop()
+    assert "tool 'lookup'" in said and "matches no JSON object" in said and "'string'" in said, said
+    assert "nothing was registered" in said and "fine" not in said
+    assert env.catalog.tools == {}
 
 
 # -- the conversion, keyword by keyword ---------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Safety building blocks: secrets, redaction, untrusted-content envelopes, and the tool sandbox."""
 
+from tether_security.argument_schema import NotAnObjectSchema, object_schema
 from tether_security.logs import RedactingFilter, RedactingProcessor
 from tether_security.redaction import Finding, Redactor
 from tether_security.sandbox import (
@@ -50,6 +51,7 @@ __all__ = [
     "InvalidEnvelopeRequest",
     "InvalidSandboxRequest",
     "InvalidSecretName",
+    "NotAnObjectSchema",
     "OpenedEnvelope",
     "RedactingFilter",
     "RedactingProcessor",
@@ -66,6 +68,7 @@ __all__ = [
     "SecretTooShort",
     "StaticSecretProvider",
     "handle",
+    "object_schema",
     "open_envelope",
     "sanitize",
     "secret_name",

@@ -176,8 +176,11 @@ def draft07_to_2020_12(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _in_2020_12(where: str, declared: list[McpTool]) -> list[McpTool]:
-    """The declared tools with draft-07 input schemas converted; a CliError names every tool whose
-    schema cannot be, before anything is registered."""
+    """The declared tools with draft-07 input schemas converted and `"type": "object"` at each root
+    (`object_schema`: a root `$ref`, as zod writes a named schema, is kept, and validated as
+    declared); a CliError names every tool whose schema cannot be, before anything is registered."""
+    from tether_tool_gateway.executors.mcp_tool import NotAnObjectSchema, object_schema
+
     converted, refused = [], []
     for tool in declared:
         dialect = tool.input_schema.get("$schema", DRAFT_2020_12)
@@ -186,12 +189,18 @@ def _in_2020_12(where: str, declared: list[McpTool]) -> list[McpTool]:
                            "neither 2020-12 nor draft-07 (which is converted)")
             continue
         try:
-            converted.append(dataclasses.replace(tool, input_schema=draft07_to_2020_12(tool.input_schema)))
+            schema = object_schema(draft07_to_2020_12(tool.input_schema))
         except SchemaNotConvertible as exc:
             refused.append(f"tool {tool.name!r}: its draft-07 input schema uses {exc}")
+            continue
+        except NotAnObjectSchema as exc:
+            refused.append(f"tool {tool.name!r}: its input schema {exc}")
+            continue
+        converted.append(dataclasses.replace(tool, input_schema=schema))
     if refused:
         raise CliError(f"{where} declares input schemas that would mean something else in JSON Schema "
-                       "draft 2020-12, the dialect the gateway validates arguments in; nothing was registered. "
+                       "draft 2020-12, the dialect the gateway validates arguments in, or that no arguments "
+                       "object could match; nothing was registered. "
                        + "; ".join(refused) + ". Fix them on the server, or leave those tools out with --only")
     return converted
 

@@ -36,6 +36,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, ErrorData, JSONRPCError, JSONRPCMessage, RequestId, jsonrpc_message_adapter
 
 from tether_contracts.records import RiskClass, ToolSpec
+from tether_security.argument_schema import NotAnObjectSchema, object_schema
 from tether_tool_gateway.domain.errors import ToolError, cut_text
 from tether_tool_gateway.executors.builtin import _config, _headers
 from tether_tool_gateway.executors.http_tool import endpoint
@@ -393,11 +394,19 @@ def tool_specs(tools: Sequence[McpTool], *, executor_kind: str, server_config: d
                constraints: dict[str, Any] | None = None, version: int = 1) -> list[ToolSpec]:
     """One ToolSpec per declared tool of a server, whatever its transport: `server_config` (how to
     reach the server) plus `"tool": <the server's name>` is each one's executor config. The
-    defaults are the most restrictive class (see `tool_specs_from_mcp`)."""
+    defaults are the most restrictive class (see `tool_specs_from_mcp`).
+
+    Each spec's argument schema is the one the tool declares, with `"type": "object"` at its root
+    (`tether_security.argument_schema.object_schema`: a root `$ref`, `allOf` or `anyOf`, as zod
+    writes them, is kept and validated as declared). Raises NotAnObjectSchema, naming the tool,
+    for a schema that matches no JSON object: no call of it could be valid."""
     specs = []
     for tool in tools:
         config: dict[str, Any] = {**server_config, "tool": tool.name}
-        schema = tool.input_schema if tool.input_schema.get("type") == "object" else {"type": "object"}
+        try:
+            schema = object_schema(tool.input_schema)
+        except NotAnObjectSchema as exc:
+            raise NotAnObjectSchema(f"the input schema of the MCP tool {tool.name!r} {exc}") from None
         specs.append(ToolSpec(
             name=tether_name(tool.name, prefix),
             version=version,
