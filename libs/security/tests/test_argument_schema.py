@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 from jsonschema import Draft202012Validator
 
-from tether_security.argument_schema import NotAnObjectSchema, object_schema
+from tether_security.argument_schema import (
+    NotAnObjectSchema,
+    SchemaReferenceUnresolvable,
+    argument_validator,
+    object_schema,
+)
 
 #: zod-to-json-schema's named output (`zodToJsonSchema(schema, "Ticket")`), as the MCP TypeScript SDK declares it.
 ZOD_NAMED = {
@@ -90,3 +101,54 @@ def test_a_schema_no_object_can_match_is_refused_saying_why(declared, why):
 def test_a_reference_cycle_is_not_followed_for_ever():
     looping = {"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}}
     assert object_schema(looping)["type"] == "object"
+
+
+# -- argument_validator: a $ref is resolved within the schema only -----------------------------------
+@contextmanager
+def schema_host() -> Iterator[tuple[list[str], str]]:
+    """A loopback server answering any GET with an open object schema; yields the paths asked for and its URL."""
+    asked: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            asked.append(self.path)
+            body = json.dumps({"type": "object"}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield asked, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_ref_to_another_document_is_never_fetched():
+    # A server's schema pointing at a URL of its choosing made the gateway and the planner fetch it
+    # (jsonschema's default registry retrieves remote refs), and the verdict depend on the answer.
+    with schema_host() as (asked, base):
+        schema = {"type": "object", "properties": {"to": {"$ref": f"{base}/args.json"}}}
+        with pytest.warns(DeprecationWarning):
+            assert Draft202012Validator(schema).is_valid({"to": {}})  # the default fetches it
+        assert asked == ["/args.json"]
+        with pytest.raises(SchemaReferenceUnresolvable):
+            argument_validator(schema).is_valid({"to": {}})
+        assert asked == ["/args.json"]  # not asked again
+
+
+def test_refs_within_the_schema_and_to_the_meta_schema_still_resolve():
+    schema = {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}, "s": {
+        "$ref": "https://json-schema.org/draft/2020-12/schema"}}, "$defs": {"n": {"type": "integer"}}}
+    validator = argument_validator(schema)
+    assert validator.is_valid({"n": 1, "s": {"type": "string"}})
+    assert not validator.is_valid({"n": "1"}) and not validator.is_valid({"s": {"type": 5}})
+    with pytest.raises(SchemaReferenceUnresolvable):
+        argument_validator({"$ref": "#/$defs/missing"}).is_valid({})

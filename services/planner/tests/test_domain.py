@@ -79,6 +79,15 @@ def test_valid_calls_are_canonicalised() -> None:
     assert isinstance(check_call(RawToolCall("c2", "open", ""), TOOLS), ValidCall)
 
 
+@pytest.mark.parametrize("ref", ["#/$defs/missing", "http://127.0.0.1:9/args.json"])
+def test_a_schema_whose_ref_resolves_to_nothing_is_left_to_the_gateway(ref: str) -> None:
+    # The check raised (jsonschema's unresolvable-ref error, after fetching the URL of a remote ref)
+    # and failed the planner's step; the gateway, the authority, denies the call saying why.
+    tools = {"t": ToolView(name="t", args_schema_json=json.dumps(
+        {"type": "object", "properties": {"a": {"$ref": ref}}}))}
+    assert isinstance(check_call(RawToolCall("c1", "t", '{"a": 1}'), tools), ValidCall)
+
+
 def test_a_response_is_executed_whole_or_not_at_all() -> None:
     ok = RawToolCall("a", "http_get", '{"url": "u"}')
     bad = RawToolCall("b", "nope", "{}")

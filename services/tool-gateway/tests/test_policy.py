@@ -142,6 +142,18 @@ def test_schema_is_checked_before_constraints():
     assert v.reason_code == "INVALID_ARGS"
 
 
+@pytest.mark.parametrize(("ref", "named"), [("#/$defs/missing", "'/$defs/missing'"),
+                                            ("http://127.0.0.1:9/args.json", "'http://127.0.0.1:9/args.json'")])
+def test_a_schema_whose_ref_resolves_to_nothing_denies_the_call_instead_of_failing_the_decision(ref, named):
+    # The decision raised (jsonschema's unresolvable-ref error), after fetching the URL of a remote ref.
+    tool = refund_tool().model_copy(update={"args_schema_json": json.dumps(
+        {"type": "object", "properties": {"order": {"$ref": ref}}})})
+    for policy in (TrustPolicy(), BasicPolicy()):
+        v = verdict(policy, inputs(tool, {"amount": 5, "order": "o-1"}))
+        assert v == Deny("INVALID_ARGS", f"the tool's argument schema is unusable: a $ref to {named} resolves to "
+                                         "nothing in the schema (another document is never fetched)")
+
+
 # -- risk classes and the policy document ------------------------------------------------------
 def test_default_policy_asks_a_human_for_irreversible_only():
     p = TrustPolicy()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from jsonschema import Draft202012Validator
+from jsonschema_specifications import REGISTRY as SPECIFICATIONS
 from referencing import Registry
 from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT202012
@@ -19,6 +21,22 @@ _BESIDE_A_REPLACEABLE_REF = frozenset({"$schema", "$defs", "definitions", "$comm
 _PLACE_KEYWORDS = frozenset({"$id", "$anchor", "$dynamicAnchor", "$schema", "$defs", "definitions"})
 #: How deep references and applicators are followed when asking whether a schema can match an object.
 _MAX_DEPTH = 32
+
+
+#: What a $ref that resolves to nothing raises while arguments are validated (jsonschema wraps it lazily).
+SchemaReferenceUnresolvable = Unresolvable
+
+
+def argument_validator(schema: Mapping[str, Any]) -> Draft202012Validator:
+    """A draft 2020-12 validator of arguments against `schema` that never fetches a document.
+
+    jsonschema's default registry retrieves any `$ref` to another document over the network (with
+    a deprecation warning): a tool's schema, which an MCP server writes, would make whoever checks a
+    call fetch a URL of the server's choosing, and make the verdict depend on what it answered then.
+    Here a `$ref` resolves only within `schema` and the JSON Schema meta-schemas (bundled); any other
+    raises SchemaReferenceUnresolvable from `iter_errors`/`is_valid`, which the caller must treat as
+    an unusable schema. Does not check the schema itself (`Draft202012Validator.check_schema`)."""
+    return Draft202012Validator(schema, registry=SPECIFICATIONS)
 
 
 class NotAnObjectSchema(ValueError):

@@ -18,6 +18,7 @@ from jsonschema.exceptions import SchemaError
 
 from tether_planner.domain.canonical import NonStandardJson, canonical_json, loads_standard
 from tether_planner.domain.messages import ToolView
+from tether_security.argument_schema import SchemaReferenceUnresolvable, argument_validator
 
 #: Problem codes returned to the model (stable; tests and dashboards use them).
 INVALID_JSON = "INVALID_JSON"
@@ -68,9 +69,11 @@ class CallProblem:
 
 def _schema_errors(args: dict[str, Any], schema: dict[str, Any]) -> list[str]:
     try:
-        validator = Draft202012Validator(schema)
+        Draft202012Validator.check_schema(schema)
+        # Never fetches a $ref to another document (a URL an MCP server chose), as at the gateway.
+        validator = argument_validator(schema)
         errors = sorted(validator.iter_errors(args), key=lambda e: (list(e.absolute_path), e.message))
-    except SchemaError:
+    except (SchemaError, SchemaReferenceUnresolvable):
         # A tool snapshot with an unusable schema cannot be checked here; the gateway refuses it.
         return []
     out = []

@@ -19,6 +19,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError, best_match
 
 from tether_contracts.records import ApprovalOutcome, RiskClass, ToolSpec
+from tether_security.argument_schema import SchemaReferenceUnresolvable, argument_validator
 from tether_tool_gateway.domain.canonical import canonical_json, sha256_hex
 from tether_tool_gateway.domain.constraints import ConstraintsInvalid, check_constraints, parse_constraints
 from tether_tool_gateway.domain.policy_document import (
@@ -280,7 +281,7 @@ class Policy(Protocol):
 def _validator(schema_json: str) -> Draft202012Validator:
     schema = json.loads(schema_json)
     Draft202012Validator.check_schema(schema)
-    return Draft202012Validator(schema)
+    return argument_validator(schema)  # never fetches a $ref: the verdict depends on the recorded schema only
 
 
 def _short(text: str) -> str:
@@ -297,7 +298,12 @@ def validate_args(tool: ToolSpec, args_json: str) -> str | None:
         validator = _validator(tool.args_schema_json)
     except (json.JSONDecodeError, SchemaError) as exc:
         return f"the tool's argument schema is invalid: {getattr(exc, 'message', str(exc))}"
-    error = best_match(validator.iter_errors(args))
+    try:
+        error = best_match(validator.iter_errors(args))
+    except SchemaReferenceUnresolvable as exc:
+        # A $ref to another document (never fetched) or to nothing in the schema: no call can be checked.
+        return _short(f"the tool's argument schema is unusable: a $ref to {getattr(exc, 'ref', '?')!r} resolves to "
+                      "nothing in the schema (another document is never fetched)")
     if error is None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "(root)"
