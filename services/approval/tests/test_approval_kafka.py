@@ -148,8 +148,8 @@ def accepted_run() -> RunAccepted:
 def test_a_decision_read_after_its_approval_expired_is_refused_visibly_on_the_real_broker(
     kafka_bootstrap: str, service_processes
 ) -> None:
-    # run-api took bob's APPROVE in time (its recorded_at_ms is before expires_at) but this service read
-    # it only after the expiry and its grace had decided EXPIRED (down or behind longer than the grace).
+    # run-api took bob's APPROVE in time (its recorded_at_ms is before expires_at) but its record reached
+    # the commands topic only after the expiry and its grace had decided EXPIRED (later than the grace allows).
     # EXPIRED stays the approval's only decision; bob's is refused DECISION_AFTER_EXPIRY, logged and
     # counted, not folded into the duplicates (APPROVAL_NOT_PENDING) as if nothing had been lost.
     prefix = f"test-approval-late-{uuid.uuid4().hex[:10]}."

@@ -11,7 +11,9 @@ from tether_approval.domain import errors
 from tether_approval.domain.decisions import (
     ApprovalPolicy,
     call_finished,
+    drop_stale_early,
     expire_due,
+    park_early,
     record_decided,
     validate_decision,
 )
@@ -91,14 +93,37 @@ def test_submitter_unknown_fails_closed_for_approvals_only():
 def test_expire_due_marks_and_decides_once():
     state = run()
     policy = ApprovalPolicy(expiry_grace_ms=500)
-    assert expire_due(state, 1_500, policy) == []  # still within the grace
-    [expired] = expire_due(state, 1_501, policy)
+    assert expire_due(state, 1_500, policy, now_ms=1_500) == []  # still within the grace
+    [expired] = expire_due(state, 1_501, policy, now_ms=1_501)
     assert (expired.outcome, expired.approver_id, expired.decided_at_ms) == (ApprovalOutcome.EXPIRED, "system", 1_501)
-    assert expire_due(state, 2_000, policy) == []
+    assert expire_due(state, 2_000, policy, now_ms=2_000) == []
     with pytest.raises(errors.DecisionAfterExpiry):  # recorded in time (500), read after the expiry: EXPIRED stands
         decide(command(), state)
     with pytest.raises(errors.ApprovalNotPending):  # recorded after the expiry
         decide(command(), state, at=1_001)
+
+
+def test_expiry_goes_by_the_commands_read_through_not_by_the_clock():
+    # The service is behind on its commands: the clock is far past the expiry and the grace, but the
+    # commands partition is read only through a time within the grace. A decision recorded by the expiry
+    # (at 1_000) may be readable as late as 1_000 + grace, unread: nothing expires.
+    policy = ApprovalPolicy(expiry_grace_ms=500)
+    state = run()
+    assert expire_due(state, 1_500, policy, now_ms=10**9) == []
+    assert state.approvals["apr_1"].pending
+    # Read through 1_501: any decision recorded by the expiry has been read; none was, so it expires,
+    # decided at the clock.
+    [expired] = expire_due(state, 1_501, policy, now_ms=10**9)
+    assert (expired.outcome, expired.decided_at_ms) == (ApprovalOutcome.EXPIRED, 10**9)
+
+
+def test_a_stale_early_decision_goes_by_the_run_events_read_through():
+    policy = ApprovalPolicy(early_decision_ttl_ms=1_000)
+    state = run()
+    park_early(state, command(approval_id="apr_9"), tenant_id="t1", decided_at_ms=500, event_id="e9", policy=policy)
+    assert drop_stale_early(state, 1_500, policy) == []  # its request may still be unread
+    [stale] = drop_stale_early(state, 1_501, policy)
+    assert stale.command.approval_id == "apr_9" and state.early == {}
 
 
 def test_first_decision_wins_but_the_log_beats_a_withdrawal():

@@ -1,5 +1,6 @@
-"""A restart past an approval's expiry reads the decisions recorded in time before it expires anything
-(the approval processor on the real loop and broker, its clock injected)."""
+"""Expiry waits for the decisions recorded in time: a restart past an approval's expiry reads them before it
+expires anything, and so does a running service that is behind on its commands when the expiry passes (the
+approval processor on the real loop and broker, its clock injected)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from tether_messaging.admin import declare_topics
 from tether_messaging.envelopes import derived_id, headers_for, make_envelope
 from tether_messaging.loop import LoopConfig, ProcessorLoop
 from tether_messaging.partitioner import partition_for
+from tether_messaging.processor import Context, Inbound
 from tether_messaging.serde import decode_envelope, encode, open_payload
 from tether_messaging.topics import Topics
 from tether_testing.kafka import committed_records, latest_values
@@ -203,3 +205,88 @@ def test_a_restart_past_the_expiry_applies_the_decisions_recorded_in_time_before
     assert {decided_event_id(RUN, a) for a in decided} == {
         decode_envelope(m.value()).event_id for m in committed_records(kafka_bootstrap, topics.run_intake, PARTITIONS)
     }
+
+
+class SlowApproval(ApprovalProcessor):
+    """The approval processor, slow on one run's records: its handler holds the loop (as a slow handler, a
+    stalled disk or a starved CPU would) until the test lets go, while the commands behind it pile up."""
+
+    def __init__(self, deps, *, slow_run: str) -> None:
+        super().__init__(deps)
+        self.slow_run = slow_run
+        self.holding = threading.Event()
+        self.release = threading.Event()
+
+    def handle(self, msg: Inbound, ctx: Context) -> None:
+        if msg.envelope.run_id == self.slow_run and not self.release.is_set():
+            self.holding.set()
+            if not self.release.wait(60):
+                raise RuntimeError("never released")
+        super().handle(msg, ctx)
+
+
+@pytest.mark.integration
+def test_a_service_behind_on_its_commands_applies_the_decision_recorded_in_time_before_expiring(
+    kafka_bootstrap: str,
+) -> None:
+    # No restart, no rebalance: the service runs, but is behind on its commands partition when the expiry
+    # and its grace pass. bob's APPROVE of apr_1, recorded 1 s before the expiry and on the topic long before
+    # the grace ends, waits unread behind a slow record and others. Before, the next tick (its clock past the
+    # grace) expired apr_1 at once, and bob's approval was refused DECISION_AFTER_EXPIRY when read.
+    prefix = f"test-approval-behind-{uuid.uuid4().hex[:10]}."
+    topics = Topics(prefix)
+    declare_topics(kafka_bootstrap, PARTITIONS, ["approval"], prefix=prefix)
+    settings = ApprovalSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix=prefix, partitions=PARTITIONS)
+    # A tick due at every batch, one record per batch: every record read after the clock moved is followed
+    # by a tick, as in a loop working through a backlog.
+    config = LoopConfig(bootstrap=kafka_bootstrap, topics=topics, tick_interval_ms=1, batch_max_messages=1)
+    clock = Clock(T0)
+    send = Sender(kafka_bootstrap)
+    registry = CollectorRegistry()
+    processor = SlowApproval(build_deps(settings, registry=registry), slow_run="slow-run")
+
+    with running(processor, config, clock):
+        send.send(topics.run_events, accepted_run(), "RunAccepted", producer="budget", recorded_at_ms=T0)
+        send.send(topics.run_events, request("apr_1", "1.0"), "ApprovalRequested", 1, producer="budget",
+                  recorded_at_ms=T0)
+        send.send(topics.run_events, request("apr_2", "1.1"), "ApprovalRequested", 2, producer="budget",
+                  recorded_at_ms=T0)
+
+        def both_pending() -> bool:
+            state = latest_values(kafka_bootstrap, topics.changelog("approval"), PARTITIONS).get(RUN.encode())
+            return state is not None and b'"apr_1"' in state and b'"apr_2"' in state
+
+        wait_until("the approvals are parked (checkpointed)", both_pending)
+
+        # The service gets stuck on a record (a decision for another run's approval, on the same partition).
+        send.send(topics.commands, decision("apr_x", "9.0"), "Decide", "slow", producer="run-api",
+                  recorded_at_ms=EXPIRES_AT - 3_000, run_id="slow-run")
+        wait_until("the loop is held on the slow record", processor.holding.is_set)
+        # Behind it: other commands, bob's decision of apr_1 in time and one of apr_2 1 ms late, all
+        # appended now, well within the grace of the expiry on the service's clock.
+        for n in range(5):
+            send.send(topics.commands, CancelRun(principal_id="alice"), "Cancel", n, producer="run-api",
+                      recorded_at_ms=EXPIRES_AT - 2_000, run_id=f"other-{n}")
+        send.send(topics.commands, decision("apr_1", "1.0"), "Decide", 1, producer="run-api",
+                  recorded_at_ms=EXPIRES_AT - 1_000)
+        send.send(topics.commands, decision("apr_2", "1.1"), "Decide", 2, producer="run-api",
+                  recorded_at_ms=EXPIRES_AT + 1)
+        # The expiry and its grace pass while the service is still behind; then it goes on.
+        clock.now_ms = EXPIRES_AT + settings.expiry_grace_ms + 5_000
+        processor.release.set()
+        wait_until("a decision for each approval on the intake",
+                   lambda: {d.approval_id for d in decisions(kafka_bootstrap, topics.run_intake)} == {"apr_1", "apr_2"})
+    decided: dict[str, list] = {}
+    for d in decisions(kafka_bootstrap, topics.run_intake):
+        decided.setdefault(d.approval_id, []).append((d.outcome, d.approver_id, d.decided_at_ms))
+
+    # The decision recorded in time wins; no EXPIRED contradicts it.
+    assert decided["apr_1"] == [(ApprovalOutcome.APPROVED, "bob", EXPIRES_AT - 1_000)]
+    # The late one is refused, and apr_2 expires once the commands are read through the grace.
+    assert decided["apr_2"] == [(ApprovalOutcome.EXPIRED, "system", clock.now_ms)]
+
+    def refusals(reason: str) -> float:
+        return registry.get_sample_value("tether_approval_refusals_total", {"reason": reason}) or 0.0
+
+    assert refusals("APPROVAL_EXPIRED") == 1
+    assert refusals("DECISION_AFTER_EXPIRY") == 0

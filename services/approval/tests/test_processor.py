@@ -75,7 +75,7 @@ def test_expiry_on_tick(h):
 
 
 def test_a_decision_made_in_time_but_read_after_the_expiry_is_applied(h):
-    # After a (re)start the loop ticks before it has read the commands backlog, so a tick past
+    # run-api records a decision before its record is readable on the commands topic, so a tick past
     # the expiry can come before a decision run-api recorded in time (and answered APPROVED).
     h.requested(expires_in_ms=60_000)
     expires_at = h.T0 + 60_000
@@ -88,8 +88,52 @@ def test_a_decision_made_in_time_but_read_after_the_expiry_is_applied(h):
     assert h.decisions("EXPIRED") == 0 and h.refusals("APPROVAL_NOT_PENDING") == 0
 
 
+def test_a_service_behind_on_its_commands_expires_nothing_until_it_has_read_through_the_grace(h):
+    # Running, not restarted, but behind: the clock is past the expiry and the grace while the commands
+    # partition is read only through a time before it (the loop's inputs_read_through_ms). A decision
+    # run-api recorded in time may be in what is unread: no expiry yet, however often it ticks.
+    grace = ApprovalPolicy().expiry_grace_ms
+    h.requested(expires_in_ms=60_000)
+    expires_at = h.T0 + 60_000
+    h.driver.inputs_read_through_ms = expires_at + grace  # not after it
+    h.driver.now_ms = expires_at + grace + 3_600_000
+    assert h.driver.tick() == [] and h.driver.tick() == []
+    decided = only_decision(h.decide(recorded_at_ms=expires_at - 100))  # read now, an hour late: it wins
+    assert (decided.outcome, decided.decided_at_ms) == (ApprovalOutcome.APPROVED, expires_at - 100)
+    h.driver.inputs_read_through_ms = None  # caught up
+    assert h.driver.tick() == []
+    assert (h.decisions("EXPIRED"), h.refusals("DECISION_AFTER_EXPIRY")) == (0, 0)
+
+
+def test_a_service_behind_on_its_commands_expires_once_it_has_read_through_the_grace(h):
+    grace = ApprovalPolicy().expiry_grace_ms
+    h.requested(expires_in_ms=60_000)
+    expires_at = h.T0 + 60_000
+    h.driver.now_ms = expires_at + grace + 10_000
+    h.driver.inputs_read_through_ms = expires_at + grace
+    assert h.driver.tick() == []
+    h.driver.inputs_read_through_ms = expires_at + grace + 1  # every decision recorded in time is read: none came
+    decided = only_decision(h.driver.tick())
+    assert (decided.outcome, decided.approver_id, decided.decided_at_ms) == (
+        ApprovalOutcome.EXPIRED, "system", h.driver.now_ms)  # decided at the clock of the tick that saw it
+
+
+def test_a_service_behind_expires_each_approval_as_its_commands_are_read_through_its_grace(h):
+    grace = ApprovalPolicy().expiry_grace_ms
+    h.accepted("r2")
+    h.requested("apr_1", expires_in_ms=60_000)
+    h.requested("apr_2", run_id="r2", expires_in_ms=120_000)
+    h.driver.now_ms = h.T0 + 120_000 + grace + 3_600_000  # both due by the clock
+    h.driver.inputs_read_through_ms = h.T0 + 60_000 + grace + 1  # read through only the first's grace
+    assert only_decision(h.driver.tick()).approval_id == "apr_1"
+    assert h.driver.tick() == []
+    h.driver.inputs_read_through_ms = h.T0 + 120_000 + grace + 1
+    assert only_decision(h.driver.tick()).approval_id == "apr_2"
+
+
 def test_a_decision_made_in_time_but_read_after_the_grace_is_refused_as_such_and_expired_stands(h):
-    # Past the grace (this service down longer than it) the expiry has decided: EXPIRED stays the
+    # A decision whose record became readable later than the grace allows (run-api's produce took
+    # longer, or the clocks differ by more) is read after the expiry decided: EXPIRED stays the
     # approval's one decision, but the human's decision run-api took in time is refused with its own
     # reason and counted by what it decided, not lost among duplicates (APPROVAL_NOT_PENDING).
     h.requested(expires_in_ms=60_000)

@@ -22,7 +22,8 @@ def _early(approval_id: str, decided_at_ms: int) -> EarlyDecision:
 
 def _has_work(run: RunApprovals, now_ms: int) -> bool:
     copy = run.model_copy(deep=True)
-    return bool(expire_due(copy, now_ms, POLICY)) or bool(drop_stale_early(copy, now_ms, POLICY))
+    # Caught up (read through the clock): the earliest the tick can act, which the timer must not pass.
+    return bool(expire_due(copy, now_ms, POLICY, now_ms=now_ms)) or bool(drop_stale_early(copy, now_ms, POLICY))
 
 
 def test_a_run_is_due_exactly_from_its_wake_time() -> None:

@@ -20,7 +20,8 @@ Per-run states live in a `tether_messaging.statestore.StateStore`: a local SQLit
 changelog with a bounded LRU of decoded states, so an idle run costs no memory; ticks see only
 the runs whose timer is due (`TickContext.runs_due`, from the processor's optional
 `wake_at_ms`). docs/loop.md, "Per-run state". A processor with `tick_after_backlog` has a newly
-assigned partition tick only once the input found there at the assignment is handled.
+assigned partition tick only once the input found there at the assignment is handled, and is told
+how far its ticks' view of the input goes (`TickContext.inputs_read_through_ms`, from input marks).
 
 Replay contract for handlers. The committed offset of a partition never passes its oldest
 input whose work is unfinished (work holds the input). After a crash or rebalance the new
@@ -441,6 +442,17 @@ class _Batch:
     blocked: dict[TP, tuple[int, str, str]] = field(default_factory=dict)
 
 
+@dataclass
+class _InputMark:
+    """The end offsets (high watermarks) of one partition's `tick_after_backlog` inputs, read after
+    `taken_at_ms` (the loop's clock). `ends` keeps the topics whose handled offset has not reached
+    its end yet; once none is left, every record appended by `taken_at_ms` has been handled, or
+    was aborted (`ProcessorLoop._advance_marks`)."""
+
+    taken_at_ms: int
+    ends: dict[str, int]
+
+
 # -- contexts handed to the processor --------------------------------------------------------
 class _Ctx:
     def __init__(self, loop: ProcessorLoop, batch: _Batch, unit: _Unit, partition: int, origin: TP | None, origin_offset: int | None) -> None:
@@ -528,8 +540,20 @@ class _TickCtx(_Ctx):
         raise ContextMisuse("start work from the tick context via for_partition(p)")
 
     def owned_partitions(self) -> Sequence[int]:
-        # Partitions still reading their backlog (`tick_after_backlog`) do not tick yet.
-        return sorted(set(self._loop._owned) - self._loop._to_restore - set(self._loop._backlog))
+        loop = self._loop
+        # Partitions still reading their backlog at assignment (`tick_after_backlog`) do not tick yet.
+        return sorted(p for p in loop._owned if p not in loop._to_restore and loop._ticks(p))
+
+    def inputs_read_through_ms(self, partition: int) -> int:
+        loop = self._loop
+        if not loop._tick_after_backlog:
+            raise ContextMisuse("inputs_read_through_ms needs the processor's tick_after_backlog")
+        if partition not in loop._owned or partition in loop._to_restore or not loop._ticks(partition):
+            raise ContextMisuse(f"partition {partition} does not tick here")
+        # Asked: the partition's inputs get a new mark after this batch (unless one is pending), so a
+        # later tick sees a later time. Only asked-for partitions cost the end-offset requests.
+        loop._marks_wanted.add(partition)
+        return loop._read_through[partition]
 
     def runs_due(self, partition: int) -> Sequence[str]:
         store = self._loop._store
@@ -550,7 +574,7 @@ class _TickCtx(_Ctx):
     def for_partition(self, partition: int) -> _Ctx:
         if partition not in self._loop._owned or partition in self._loop._to_restore:
             raise ContextMisuse(f"partition {partition} is not owned by this instance")
-        if partition in self._loop._backlog:
+        if not self._loop._ticks(partition):
             raise ContextMisuse(f"partition {partition} does not tick before its backlog is read")
         return _Ctx(self._loop, self._batch, self._unit, partition, None, None)
 
@@ -645,6 +669,8 @@ class ProcessorLoop:
         #: Which producer is current: a replaced one's fatal error must not end the loop.
         self._producer_generation = 0
         self._restorer: Consumer | None = None
+        #: Reads the end offsets of marks (`tick_after_backlog` only): read_uncommitted, see `_note_backlog`.
+        self._end_reader: Consumer | None = None
         self._pool: FairWorkQueue[_Work] | None = None
         self._delivery_errors: list[KafkaError] = []
         #: Poison records: handler calls whose outputs or state checkpoint can never be produced
@@ -659,11 +685,22 @@ class ProcessorLoop:
         #: Partitions held (paused) at a record this build cannot decode: (offset, reason). Until
         #: they are dropped (revoked, lost) or the loop ends; `ready` is false meanwhile.
         self._blocked: dict[TP, tuple[int, str]] = {}
-        #: Input topics whose backlog at assignment a partition's tick waits for
-        #: (`tether_messaging.processor.BacklogBeforeTick`; empty: ticks never wait).
+        #: Input topics whose backlog at assignment a partition's tick waits for, and whose marks
+        #: say how far the tick's view of the input goes (`tether_messaging.processor.BacklogBeforeTick`;
+        #: empty: ticks never wait and there are no marks).
         self._tick_after_backlog = frozenset(getattr(processor, "tick_after_backlog", None) or ())
-        #: Partitions whose tick still waits: partition → {topic: end offset at assignment not yet reached}.
-        self._backlog: dict[int, dict[str, int]] = {}
+        #: Per partition, the newest mark whose end offsets are reached: every record appended to
+        #: its inputs by that clock time has been handled (or was aborted). Absent until the
+        #: backlog at assignment is read; the partition does not tick meanwhile.
+        self._read_through: dict[int, int] = {}
+        #: Per partition, the mark not reached yet (at most one: the first at assignment, later ones
+        #: when a tick asks, `TickContext.inputs_read_through_ms`).
+        self._marks: dict[int, _InputMark] = {}
+        #: Partitions whose tick asked for their read-through time since the last batch ended.
+        self._marks_wanted: set[int] = set()
+        #: The group's position on each input at assignment (committed offset, else the earliest):
+        #: what counts as handled until the consumer returns a record of it (`_handled_offset`).
+        self._assigned_at: dict[TP, int] = {}
 
     # -- public ----------------------------------------------------------------------------
     @property
@@ -699,6 +736,8 @@ class ProcessorLoop:
                 # which also unblocks read_committed readers of its partitions.
                 self._call(lambda: self._producer.init_transactions(30))
             self._restorer = Consumer(self._restorer_config())
+            if self._tick_after_backlog:
+                self._end_reader = Consumer(self._end_reader_config())
             self._consumer = Consumer(self._consumer_config())
             self._consumer.subscribe(
                 list(self.processor.inputs),
@@ -779,6 +818,14 @@ class ProcessorLoop:
             "enable.auto.commit": False,
             "enable.partition.eof": True,
             "auto.offset.reset": "earliest",
+        }
+
+    def _end_reader_config(self) -> dict[str, Any]:
+        return {
+            "bootstrap.servers": self.config.bootstrap,
+            "group.id": f"{self._group}.ends",  # never joins: it only asks for end offsets
+            "isolation.level": "read_uncommitted",
+            "enable.auto.commit": False,
         }
 
     def _producer_error_cb(self) -> Callable[[KafkaError], None]:
@@ -927,7 +974,9 @@ class ProcessorLoop:
         self._redeliver = [f for f in self._redeliver if self._work_partition(f) not in gone]
         for p in gone:
             self._owned.pop(p, None)
-            self._backlog.pop(p, None)
+            self._read_through.pop(p, None)
+            self._marks.pop(p, None)
+            self._marks_wanted.discard(p)
             if self._store is not None:
                 self._store.drop_partition(p)
             self._meta_has_holds.pop(p, None)
@@ -940,7 +989,7 @@ class ProcessorLoop:
             except KeyError:
                 pass  # never measured
         self._unblock([tp for tp in self._blocked if tp[1] in gone])
-        for d in (self._next, self._holds, self._committed, self._skip):
+        for d in (self._next, self._holds, self._committed, self._skip, self._assigned_at):
             for tp in [tp for tp in d if tp[1] in gone]:
                 del d[tp]
         for key in [k for k, w in self._work.items() if w.partition in gone]:
@@ -1003,11 +1052,11 @@ class ProcessorLoop:
         RESTORE_SECONDS.labels(self._name).observe(time.monotonic() - started)
         self._log.info("states_restored", partitions=list(partitions), records=records, runs=runs)
 
-    def _watermarks(self, tp: TopicPartition) -> tuple[int, int]:
+    def _watermarks(self, tp: TopicPartition, reader: Consumer | None = None) -> tuple[int, int]:
         deadline = time.monotonic() + self.config.restore_timeout_s
         while True:
             try:
-                return self._restorer.get_watermark_offsets(tp, timeout=5)
+                return (reader or self._restorer).get_watermark_offsets(tp, timeout=5)
             except KafkaException as exc:
                 err = exc.args[0]
                 # A just-created topic may not have a leader yet.
@@ -1016,25 +1065,40 @@ class ProcessorLoop:
                 self._log.info("restore_transient_error", error=err.str())
                 time.sleep(0.2)
 
+    def _ticks(self, p: int) -> bool:
+        """Whether an owned, restored partition ticks: always, or with `tick_after_backlog` once the
+        backlog found at its assignment is handled."""
+        return not self._tick_after_backlog or p in self._read_through
+
     def _note_backlog(self, partitions: Sequence[int]) -> None:
-        """Note the end offsets, now, of the inputs whose backlog the tick of these newly assigned
-        partitions waits for (`tick_after_backlog`), where the group's position is below them."""
+        """Take the first mark of these newly assigned partitions (`tick_after_backlog`): they tick
+        once their inputs are handled up to the end offsets read now."""
+        if not self._tick_after_backlog:
+            return
         tps = [TopicPartition(topic, p) for p in partitions
                for topic in sorted(self._owned.get(p, set()) & self._tick_after_backlog)]
-        if not tps:
-            return
-        starts = self._committed_offsets(tps)
+        starts = self._committed_offsets(tps) if tps else {}
+        # Read before the end offsets: a record appended by this time is below them.
+        taken_at_ms = self._clock_ms()
+        ends: dict[int, dict[str, int]] = {p: {} for p in partitions}
         for tp in tps:
-            # The restorer reads read_committed, so `high` is the last stable offset: what the loop
-            # can read. Records appended later are not the backlog.
-            low, high = self._watermarks(tp)
-            start = starts.get((tp.topic, tp.partition), -1)
+            # The high watermark (read_uncommitted), not the last stable offset: a record appended
+            # (and acknowledged) behind another producer's open transaction is not readable yet, so
+            # the last stable offset would leave it out, and a timer would decide without it. The
+            # loop reads read_committed, so it reaches this end once the transactions open now have
+            # ended (committed or aborted: the position passes aborted records and markers).
+            # Records appended later are not the backlog.
+            high = self._watermarks(tp, self._end_reader)[1]
+            low = self._watermarks(tp)[0]
             # No committed offset: the consumer starts at the earliest (auto.offset.reset). A
-            # position at the end already stays invalid (nothing is fetched), so it is settled here.
-            if max(start, low) < high:
-                self._backlog.setdefault(tp.partition, {})[tp.topic] = high
-        for p in sorted(set(partitions) & set(self._backlog)):
-            self._log.info("tick_waits_for_backlog", partition=p, ends=self._backlog[p])
+            # position at the end stays invalid (nothing is fetched): `_handled_offset` uses this.
+            self._assigned_at[(tp.topic, tp.partition)] = max(starts.get((tp.topic, tp.partition), -1), low)
+            ends[tp.partition][tp.topic] = high
+        for p in partitions:
+            self._marks[p] = _InputMark(taken_at_ms, ends[p])
+        self._advance_marks(partitions, log_first=False)
+        for p in sorted(set(partitions) & set(self._marks)):
+            self._log.info("tick_waits_for_backlog", partition=p, ends=self._marks[p].ends)
 
     def _committed_offsets(self, tps: list[TopicPartition]) -> dict[TP, int]:
         deadline = time.monotonic() + self.config.restore_timeout_s
@@ -1048,24 +1112,70 @@ class ProcessorLoop:
                 self._log.info("restore_transient_error", error=err.str())
                 time.sleep(0.2)
 
-    def _note_backlog_read(self) -> None:
-        """After a batch: the partitions whose backlog at assignment has now been handled tick again.
+    def _handled_offset(self, tp: TP) -> int:
+        """The offset below which every record of `tp` has been handled or will never be readable
+        (aborted) (the caller leaves out records carried to the next batch and blocked partitions).
 
-        The consumer's position is past every record it returned (and past transaction markers and
-        aborted records, which it never returns); a record it returned that is not handled yet is in
-        `_buffer` (carried to the next batch), and a blocked partition's are never handled. An
-        aborted batch does not get here: the rewound records are handled again first."""
+        The consumer's position is past every record it returned, and past transaction markers and
+        aborted records, which it never returns; it stops at the last stable offset while a
+        transaction is open (read_committed). It is invalid until the consumer
+        returns a record after the assignment or after an abort's seek: then what was handled is
+        what this loop handled (`_next`, as of the last committed batch) or the group's position at
+        the assignment."""
+        [position] = self._consumer.position([TopicPartition(tp[0], tp[1])])
+        if position.offset >= 0:
+            return position.offset
+        return max(self._next.get(tp, -1), self._assigned_at.get(tp, -1))
+
+    def _advance_marks(self, partitions: Sequence[int] | None = None, *, log_first: bool = True) -> None:
+        """After a batch: a mark whose end offsets the loop has handled up to becomes its partition's
+        read-through time: every record appended by then that is or becomes readable has been handled
+        (the first mark, at assignment, lets the partition tick). Only after a
+        committed or deferred batch: an aborted one does not get here, its records are handled
+        again first. Records returned but carried to the next batch (`_buffer`) do not count, nor
+        does a blocked partition (its records are never handled)."""
         unhandled = {(m.topic(), m.partition()) for m in self._buffer}
-        for p, ends in list(self._backlog.items()):
-            for topic, end in list(ends.items()):
-                if (topic, p) in unhandled or (topic, p) in self._blocked:
-                    continue
-                [position] = self._consumer.position([TopicPartition(topic, p)])
-                if position.offset >= end:
-                    del ends[topic]
-            if not ends:
-                del self._backlog[p]
+        for p in list(self._marks) if partitions is None else [p for p in partitions if p in self._marks]:
+            mark = self._marks[p]
+            for topic, end in list(mark.ends.items()):
+                tp = (topic, p)
+                if tp not in unhandled and tp not in self._blocked and self._handled_offset(tp) >= end:
+                    del mark.ends[topic]
+            if mark.ends:
+                continue
+            del self._marks[p]
+            if p not in self._read_through and log_first:
                 self._log.info("backlog_read", partition=p)
+            self._read_through[p] = mark.taken_at_ms
+
+    def _take_marks(self) -> None:
+        """New marks for the partitions whose tick asked for their read-through time and have none
+        pending: the clock, then the end offsets (high watermarks, as in `_note_backlog`) of their
+        `tick_after_backlog` inputs (one request per input partition, outside any transaction). A
+        failed request takes no mark; the next tick asks again, and the read-through time stays where
+        it was (late, never wrong)."""
+        wanted, self._marks_wanted = self._marks_wanted, set()
+        taken: list[int] = []
+        for p in sorted(wanted):
+            if p not in self._owned or p in self._marks or p not in self._read_through:
+                continue
+            taken_at_ms = self._clock_ms()  # before the offsets: a record appended by then is below them
+            ends: dict[str, int] = {}
+            for topic in sorted(self._owned[p] & self._tick_after_backlog):
+                try:
+                    offsets = self._end_reader.get_watermark_offsets(TopicPartition(topic, p), timeout=2)
+                except KafkaException as exc:
+                    offsets, error = None, _describe(exc)
+                else:
+                    error = "no answer within 2 s"
+                if offsets is None:
+                    self._log.warning("input_mark_failed", topic=topic, partition=p, error=error)
+                    break
+                ends[topic] = offsets[1]
+            else:
+                self._marks[p] = _InputMark(taken_at_ms, ends)
+                taken.append(p)
+        self._advance_marks(taken)
 
     def _restore_meta(self, p: int, value: bytes | None) -> None:
         meta = json.loads(value) if value else {}
@@ -1242,8 +1352,10 @@ class ProcessorLoop:
         WORK_IN_FLIGHT.labels(self._name).set(len(self._work))
         WORK_WAITING.labels(self._name).set(len(self._pool))
         BATCHES.labels(self._name, "deferred" if deferred else "committed").inc()
-        if self._backlog:
-            self._note_backlog_read()
+        if self._marks:
+            self._advance_marks()
+        if self._marks_wanted:
+            self._take_marks()
 
     def _may_defer_commit(self, batch: _Batch, finished: list[_Finished]) -> bool:
         """Whether this batch may end without committing its offsets (`noop_commit_ms`): nothing
@@ -1854,6 +1966,8 @@ class ProcessorLoop:
             steps.append(("consumer_close", self._consumer.close))
         if self._restorer is not None:
             steps.append(("restorer_close", self._restorer.close))
+        if self._end_reader is not None:
+            steps.append(("end_reader_close", self._end_reader.close))
         if self._producer is not None:
             steps.append(("producer_flush", lambda: self._producer.flush(10)))
         if self._pool is not None:

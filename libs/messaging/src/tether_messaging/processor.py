@@ -174,18 +174,23 @@ class RunTimers(Protocol):
 
 
 class BacklogBeforeTick(Protocol):
-    """What a processor whose timers must not act on a partition before its backlog is read adds
-    (optional: the loop looks for it; only the approval service sets it).
+    """What a processor whose timers must not act on input they have not read adds (optional: the
+    loop looks for it; only the approval service sets it).
 
-    A restarted or rebalanced loop ticks as soon as it has restored the states, often before it
-    has read the input that piled up meanwhile: a timer that decides "nothing came in time" (an
-    approval's expiry) would then decide against a record that did come in time and waits unread.
-    With `tick_after_backlog` the loop notes, when it is assigned a partition, the end offsets
-    (last stable offsets: read_committed) of those topics' partitions, and leaves the partition out
-    of `TickContext.owned_partitions` until it has handled its input up to them.
+    A timer that decides "nothing came in time" (an approval's expiry) must not decide against a
+    record that did come in time and waits unread: after a restart or rebalance (the loop ticks as
+    soon as it has restored the states, before it has read the input that piled up meanwhile), and
+    while a running loop is behind its input (slow, or its fetches delayed). With
+    `tick_after_backlog` the loop takes *marks* of those topics' partitions: the loop's clock, then
+    their end offsets (high watermarks: a record appended behind another producer's open transaction
+    counts, and is waited for until that transaction ends). The first, when it is assigned a
+    partition, leaves the partition out of `TickContext.owned_partitions` until its input is
+    handled up to it; later ones, taken when a tick asks, move
+    `TickContext.inputs_read_through_ms` once the input is handled up to them.
     """
 
-    #: Input topics (of `inputs`) whose backlog at assignment the tick of a partition waits for.
+    #: Input topics (of `inputs`) whose backlog at assignment the tick of a partition waits for,
+    #: and whose read-through time `TickContext.inputs_read_through_ms` gives.
     tick_after_backlog: Collection[str]
 
 
@@ -195,6 +200,18 @@ class TickContext(Context, Protocol):
     def owned_partitions(self) -> Sequence[int]:
         """The partitions this instance owns and has restored; for a processor with
         `BacklogBeforeTick`, only those whose backlog at assignment it has handled."""
+        ...
+
+    def inputs_read_through_ms(self, partition: int) -> int:
+        """For a processor with `BacklogBeforeTick`, of a partition `owned_partitions` shows: a clock
+        time T (the loop's, as `now_ms`) such that every record appended to the partition's
+        `tick_after_backlog` inputs by T has been handled (its effects are in the states this tick
+        sees), or was aborted. T ≤ `now_ms`; it lags while the loop is behind its input (and while a
+        transaction open at T has not ended), and never passes the append of a record not handled.
+
+        Asking moves it: after the batch the loop takes a new mark of the partition (unless one is
+        pending: at most one request per input partition per tick that asks), so a caught-up
+        partition's T is about a tick old. A processor asks only for partitions whose timers are due."""
         ...
 
     def runs_due(self, partition: int) -> Sequence[str]:

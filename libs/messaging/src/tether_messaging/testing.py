@@ -53,6 +53,9 @@ class InMemoryDriver:
     pending: dict[str, _PendingWork] = field(default_factory=dict)
     #: Run ids in the order handlers put their state: each put is a changelog write in the loop.
     puts: list[str] = field(default_factory=list)
+    #: What ticks get from `TickContext.inputs_read_through_ms`. None: `now_ms` (everything fed has
+    #: been handled); a test sets an earlier time to stand for a loop behind its input.
+    inputs_read_through_ms: int | None = None
     _offsets: dict[tuple[str, int], int] = field(default_factory=dict)
 
     # -- feeding -------------------------------------------------------------------------
@@ -179,6 +182,10 @@ class _TickCtx(_Ctx):
             if wake is not None and wake <= self._d.now_ms:
                 due.append((wake, run_id))
         return [run_id for _, run_id in sorted(due)]
+
+    def inputs_read_through_ms(self, partition: int) -> int:
+        read_through = self._d.inputs_read_through_ms
+        return self._d.now_ms if read_through is None else min(read_through, self._d.now_ms)
 
     def for_partition(self, partition: int) -> _Ctx:
         return _Ctx(self._d, partition)

@@ -25,7 +25,8 @@ class ApprovalProcessor:
 
     Consumes the run event log and the commands topic; per-run state is `RunApprovals`,
     checkpointed to the `approval` changelog in the same transaction as the decisions emitted.
-    Its tick (expiry) waits on each partition until the input backlog found at assignment is read.
+    Its tick (expiry) waits on each partition until the input backlog found at assignment is read,
+    and expires only what the commands read so far show no decision came for in time.
     """
 
     name = "approval"
@@ -41,8 +42,9 @@ class ApprovalProcessor:
         # Expiry decides that no decision came in time. After a restart or rebalance the loop would
         # tick as soon as the states are restored, before it has read the decisions (commands) and
         # requests, withdrawals and run ends (run events) that piled up meanwhile: approvals a human
-        # decided in time would expire. A partition ticks only once that backlog is handled
-        # (tether_messaging.processor.BacklogBeforeTick).
+        # decided in time would expire. A partition ticks only once that backlog is handled, and a
+        # running loop behind its input tells the tick how far it has read
+        # (tether_messaging.processor.BacklogBeforeTick; the rule is `domain.decisions.expire_due`).
         self.tick_after_backlog = frozenset(self.inputs)
 
     def handle(self, msg: Inbound, ctx: Context) -> None:

@@ -324,9 +324,9 @@ def on_notification_done(done: WorkDone, ctx: Context, *, deps: Deps) -> None:
         ctx.put_state(run.run_id, run)
 
 
-def _needs_tick(run: RunApprovals, now_ms: int, policy: ApprovalPolicy) -> bool:
-    return any(now_ms > a.expires_at_ms + policy.expiry_grace_ms for a in run.pending()) or any(
-        now_ms - e.decided_at_ms > policy.early_decision_ttl_ms for e in run.early.values()
+def _needs_tick(run: RunApprovals, read_through_ms: int, policy: ApprovalPolicy) -> bool:
+    return any(read_through_ms > a.expires_at_ms + policy.expiry_grace_ms for a in run.pending()) or any(
+        read_through_ms - e.decided_at_ms > policy.early_decision_ttl_ms for e in run.early.values()
     )
 
 
@@ -335,20 +335,31 @@ def _empty(run: RunApprovals) -> bool:
 
 
 def expire_approvals(ctx: TickContext, *, deps: Deps) -> None:
-    """Every tick: EXPIRED for pending approvals past expires_at_ms and the grace (at ctx.now_ms), and refuse
-    early decisions whose request never came (in the runs due by `domain.decisions.wake_at`). Only on the
-    partitions whose input backlog at assignment is read: the loop shows no other (`tick_after_backlog`)."""
+    """Every tick: EXPIRED (decided at ctx.now_ms) for pending approvals whose expires_at_ms and grace lie
+    before the time the partition's commands and run events are read through, and refuse early decisions
+    whose request never came (in the runs due by `domain.decisions.wake_at`; `domain.decisions.expire_due`
+    says why the read-through time and not the clock). Only on the partitions whose input backlog at
+    assignment is read: the loop shows no other (`tick_after_backlog`)."""
     now_ms = ctx.now_ms
     for partition in ctx.owned_partitions():
+        due = ctx.runs_due(partition)
+        if not due:
+            continue  # not asked: a partition with nothing due costs no end-offset requests
+        read_through_ms = ctx.inputs_read_through_ms(partition)
         pctx = ctx.for_partition(partition)
-        for run_id in ctx.runs_due(partition):
+        for run_id in due:
             committed = pctx.get_state(run_id)
-            if committed is None or not _needs_tick(committed, now_ms, deps.policy):
+            if committed is None:
                 continue
+            if not _needs_tick(committed, read_through_ms, deps.policy):
+                # Due by the clock, not yet by what is read (the loop is behind): it stays due and the
+                # next tick looks again. The runs come earliest wake time first, and `wake_at` is exact,
+                # so none after it has work either: a partition behind its input decodes one state a tick.
+                break
             run = committed.model_copy(deep=True)
-            for decided in expire_due(run, now_ms, deps.policy):
+            for decided in expire_due(run, read_through_ms, deps.policy, now_ms=now_ms):
                 _emit_decision(decided, run, pctx, deps, cause=run.approvals[decided.approval_id].requested_event_id)
-            for early in drop_stale_early(run, now_ms, deps.policy):
+            for early in drop_stale_early(run, read_through_ms, deps.policy):
                 refusal = ApprovalNotFound(f"approval {early.command.approval_id} was never requested")
                 _refused(refusal, early.command, run_id=run_id, tenant_id=early.tenant_id, event_id=early.event_id,
                          deps=deps)

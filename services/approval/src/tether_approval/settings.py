@@ -45,11 +45,11 @@ class ApprovalSettings(LoopServiceSettings):
     max_early_decisions: int = Field(32, ge=0, description="Early decisions kept per run.")
     expiry_grace_ms: int = Field(
         30_000, ge=0,
-        description="How long past an approval's expiry the service waits before it emits EXPIRED, so a decision "
-        "run-api recorded in time but whose record reached the commands topic a little later (its produce; the two "
-        "hosts' clocks) still wins. After a restart or rebalance no expiry waits on this: a partition's expiry runs "
-        "only once the commands and run events already there are read. A decision recorded after the expiry is "
-        "refused either way.",
+        description="The longest a decision run-api recorded by an approval's expiry may take to reach the commands "
+        "topic (run-api's produce, which its TETHER_RUN_API_DELIVERY_TIMEOUT_MS, 10 s, bounds; the two hosts' clocks): "
+        "the service emits EXPIRED only once it has read the commands partition through expiry + this, so such a "
+        "decision wins however far behind the service is (a backlog after a restart, a slow or starved consumer). "
+        "A decision recorded after the expiry is refused either way.",
     )
 
     # -- the approver webhook (best-effort) -----------------------------------------------------

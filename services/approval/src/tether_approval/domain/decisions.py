@@ -54,12 +54,10 @@ class ApprovalPolicy:
     max_early_decisions: int = 32
     #: How long such an early decision waits for its request before it is refused.
     early_decision_ttl_ms: int = DAY_MS
-    #: How long past `expires_at_ms` expiry waits. run-api records a decision's time before its
-    #: record reaches the commands topic (its produce, and the two hosts' clocks differ), and it
-    #: answered it APPROVED, so it must still win. (The backlog found after a restart or rebalance
-    #: is read before any expiry whatever the grace: the loop's `tick_after_backlog`.) Within the
-    #: grace a pending approval takes a decision recorded by `expires_at_ms`, and refuses a later
-    #: one as before.
+    #: The longest a decision run-api recorded at `decided_at_ms` (and answered APPROVED) may take
+    #: to be on the commands topic: its produce (run-api's delivery timeout) and the two
+    #: hosts' clocks. Expiry waits until the commands partition is read through `expires_at_ms` +
+    #: this (`expire_due`), so a decision recorded by `expires_at_ms` has been read and wins.
     expiry_grace_ms: int = 30_000
 
 
@@ -192,12 +190,21 @@ def record_decided(run: RunApprovals, decided: ApprovalDecided) -> bool:
     return changed
 
 
-def expire_due(run: RunApprovals, now_ms: int, policy: ApprovalPolicy) -> list[ApprovalDecided]:
-    """EXPIRED decisions (at `now_ms`) for every pending approval past its expiry and the grace
-    (`ApprovalPolicy.expiry_grace_ms`), marked decided."""
+def expire_due(run: RunApprovals, read_through_ms: int, policy: ApprovalPolicy, *, now_ms: int) -> list[ApprovalDecided]:
+    """EXPIRED decisions (decided at `now_ms`) for every pending approval whose expiry and grace
+    (`ApprovalPolicy.expiry_grace_ms`) lie before `read_through_ms`, marked decided.
+
+    `read_through_ms` is a time such that every command appended by then to the run's commands
+    partition has been read (the loop's `inputs_read_through_ms`; ≤ `now_ms`). Expiry decides
+    that no decision came in time; the rule that makes that true: a decision recorded by
+    `expires_at_ms` is on the topic by `expires_at_ms + grace` (what the grace bounds), so once the
+    partition is read through a later time it has been read, and applied. The wall clock alone
+    (`now_ms`) is not enough: a service behind on its commands (a backlog after a restart, a slow
+    or starved consumer, delayed fetches) would expire an approval whose decision waits unread.
+    """
     expired = []
     for approval in run.pending():
-        if now_ms > approval.expires_at_ms + policy.expiry_grace_ms:
+        if read_through_ms > approval.expires_at_ms + policy.expiry_grace_ms:
             decided = ApprovalDecided(
                 approval_id=approval.approval_id,
                 call_id=approval.call_id,
@@ -240,17 +247,20 @@ def take_early(run: RunApprovals, approval_id: str) -> EarlyDecision | None:
     return run.early.pop(approval_id, None)
 
 
-def drop_stale_early(run: RunApprovals, now_ms: int, policy: ApprovalPolicy) -> list[EarlyDecision]:
-    """Early decisions whose request never came within the TTL (removed)."""
-    stale = [e for e in run.early.values() if now_ms - e.decided_at_ms > policy.early_decision_ttl_ms]
+def drop_stale_early(run: RunApprovals, read_through_ms: int, policy: ApprovalPolicy) -> list[EarlyDecision]:
+    """Early decisions whose request never came within the TTL (removed). By the run events read
+    through (`read_through_ms`, as in `expire_due`), not the wall clock: run-api took the decision
+    after it saw the request, so a request that exists was on the log long before the TTL ends."""
+    stale = [e for e in run.early.values() if read_through_ms - e.decided_at_ms > policy.early_decision_ttl_ms]
     for e in stale:
         del run.early[e.command.approval_id]
     return stale
 
 
 def wake_at(run: RunApprovals, policy: ApprovalPolicy) -> int | None:
-    """The earliest clock value at which `expire_due` or `drop_stale_early` has something to do
-    (both act strictly after their limit), or None: the loop's timer index for the run."""
+    """The earliest clock value at which `expire_due` or `drop_stale_early` may have something to do
+    (both act strictly after their limit, once the input is read through it, which is never later
+    than the clock), or None: the loop's timer index for the run."""
     times = [a.expires_at_ms + policy.expiry_grace_ms + 1 for a in run.pending()]
     times += [e.decided_at_ms + policy.early_decision_ttl_ms + 1 for e in run.early.values()]
     return min(times, default=None)

@@ -46,9 +46,10 @@ class ApprovalNotPending(DecisionRefused):
 
 class DecisionAfterExpiry(DecisionRefused):
     """A decision recorded in time (by `expires_at_ms`; run-api accepted it) but read here only after
-    the approval had expired (past the grace): EXPIRED is already the approval's decision on the log,
-    so this one is refused, not lost: it has its own reason and is counted, and an operator should
-    look (a lost approval is a call that did not run)."""
+    the approval had expired: its record reached the commands topic later than the grace allows
+    (run-api's produce took longer, or the two hosts' clocks differ by more). EXPIRED is already the
+    approval's decision on the log, so this one is refused, not lost: it has its own reason and is
+    counted, and an operator should look (a lost approval is a call that did not run)."""
 
     reason = "DECISION_AFTER_EXPIRY"
 
