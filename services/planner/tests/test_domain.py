@@ -79,6 +79,18 @@ def test_valid_calls_are_canonicalised() -> None:
     assert isinstance(check_call(RawToolCall("c2", "open", ""), TOOLS), ValidCall)
 
 
+def test_a_value_breaking_a_format_the_gateway_asserts_goes_back_to_the_model() -> None:
+    # `format` was an annotation here as at the gateway: the call went out and was denied a step later.
+    tools = {"invite": ToolView(name="invite", args_schema_json=json.dumps({"type": "object", "properties": {
+        "email": {"type": "string", "format": "email"}, "starts": {"type": "string", "format": "date-time"}}}))}
+    ok = check_call(RawToolCall("c1", "invite", '{"email": "ana@example.com", "starts": "2026-12-01T09:30:00Z"}'), tools)
+    assert isinstance(ok, ValidCall)
+    bad = check_call(RawToolCall("c2", "invite", '{"email": "ana at example.com", "starts": "tomorrow"}'), tools)
+    assert isinstance(bad, CallProblem) and bad.code == INVALID_ARGS
+    assert bad.detail == ("arguments do not match the tool's schema: /email: 'ana at example.com' is not a 'email'; "
+                          "/starts: 'tomorrow' is not a 'date-time'")
+
+
 @pytest.mark.parametrize("ref", ["#/$defs/missing", "http://127.0.0.1:9/args.json"])
 def test_a_schema_whose_ref_resolves_to_nothing_is_left_to_the_gateway(ref: str) -> None:
     # The check raised (jsonschema's unresolvable-ref error, after fetching the URL of a remote ref)

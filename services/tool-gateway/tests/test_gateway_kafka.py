@@ -196,7 +196,7 @@ def test_gateway_killed_mid_effect_duplicates_nothing(kafka_bootstrap, pg_schema
         # kv_put's go was committed once, with the decision, before its outcome (the kill did not repeat it).
         assert kinds.index(("ToolCallAuthorized", "1.0")) < kinds.index(("ToolCallCompleted", "1.0"))
         authorized = next(p for p in intake.payloads() if type(p).__name__ == "ToolCallAuthorized")
-        assert authorized.args_hash == calls["kv_put"].args_hash and authorized.policy_version.startswith("default/3@")
+        assert authorized.args_hash == calls["kv_put"].args_hash and authorized.policy_version.startswith("default/4@")
         kv_recs = kv.records()
         assert len(kv_recs) == 2 and sum(r["applied"] for r in kv_recs) == 1
         assert {r["idempotency_key"] for r in kv_recs} == {calls["kv_put"].idem_key}

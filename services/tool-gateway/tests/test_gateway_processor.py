@@ -46,7 +46,7 @@ def test_unknown_tool_is_denied(gw):
     call = gw.request("rm_rf", {"path": "/"})
     denied = only(gw.budget(call), ToolCallDenied)
     assert denied.reason_code == "UNKNOWN_TOOL"
-    assert denied.policy_version == gw.policy.version and denied.policy_version.startswith("default/3@")
+    assert denied.policy_version == gw.policy.version and denied.policy_version.startswith("default/4@")
     assert len(denied.inputs_hash) == 64
     assert gw.executor.requests == [] and gw.driver.pending == {}
 

@@ -23,7 +23,7 @@ from tether_tool_gateway.builtin_tools import builtin_tool_specs
 from tether_tool_gateway.domain.canonical import sha256_hex
 from tether_tool_gateway.domain.policy import Allow, RequireApproval, TrustPolicy
 from tether_tool_gateway.domain.policy_document import (
-    EARLIER_DEFAULT_POLICY_TEXTS,
+    DEFAULT_2_POLICY_TEXT,
     default_policies,
     index_by_version,
     parse_policy,
@@ -46,7 +46,7 @@ def default_tools() -> list[ToolSpec]:
                               email_from="agent@tether.test", http_allow_hosts=["127.0.0.1"])
 
 
-DEFAULT_2 = EARLIER_DEFAULT_POLICY_TEXTS[0]
+DEFAULT_2 = DEFAULT_2_POLICY_TEXT
 SECRET = "acct-4711-0815"
 LEAK = f"http://127.0.0.1/collect?d={SECRET}"
 MOVED = "moved to http://127.0.0.1/elsewhere"
@@ -141,7 +141,7 @@ def test_a_composed_url_echoed_back_by_an_untrusted_tool_is_not_a_link_the_run_w
         assert f"no document with id '{LEAK}'" in failed.detail
     leak = gw.request("http_get", {"url": LEAK}, step=3)
     req = decided(gw, leak, ApprovalRequested)
-    assert req.reasons == ["TAINTED_EGRESS"] and req.policy_version.startswith("default/3@")
+    assert req.reasons == ["TAINTED_EGRESS"] and req.policy_version.startswith("default/4@")
     assert LEAK not in [r.args.get("url") for r in gw.executor.requests]
     assert audit_all_defaults(gw) == []
 
@@ -160,11 +160,11 @@ def test_an_error_detail_is_never_a_link_source(tainted):
     assert decided(gw, call, ToolCallAuthorized).reasons[-1] == "EGRESS_FOLLOWS_LINK"
 
 
-@pytest.mark.parametrize(("policy_json", "version"), [(None, "default/3@"), (DEFAULT_2, "default/2@")],
-                         ids=["default-3", "default-2"])
+@pytest.mark.parametrize(("policy_json", "version"), [(None, "default/4@"), (DEFAULT_2, "default/2@")],
+                         ids=["default", "default-2"])
 def test_a_url_only_an_error_detail_holds_is_not_a_link_source(tainted, policy_json, version):
     # The untrusted tool's error names a URL the model never wrote (nothing decides it but the failure
-    # itself): default/3 asks a human before fetching it; default/2, which counted error details, did not.
+    # itself): default/3 and later ask a human before fetching it; default/2, which counted error details, did not.
     gw = tainted(policy_json=policy_json)
     failed = only(launder(gw, "open_doc", {"title": "report"}, step=2), ToolCallFailed)
     url = MOVED.removeprefix("moved to ")
@@ -194,7 +194,7 @@ def test_the_old_default_still_decides_and_re_derives_as_it_did(tainted):
     assert authorized.reasons[-1] == "EGRESS_FOLLOWS_LINK" and authorized.policy_version.startswith("default/2@")
     gw.log(gw.driver.run_work())
     assert audit_all_defaults(gw) == []
-    # The same log is not what default/3 gives: the audit tells the versions apart.
+    # The same log is not what the current default gives: the audit tells the versions apart.
     current = TrustPolicy()
     mismatches = GatewayAudit({authorized.policy_version: current}).check(gw.run_log())
     assert any("not allow" in m.problem for m in mismatches), mismatches

@@ -12,13 +12,18 @@ from tether_contracts.records import ApprovalRequested, ToolCallAuthorized
 from tether_tool_gateway.audit import GatewayAudit
 from tether_tool_gateway.builtin_tools import builtin_tool_specs
 from tether_tool_gateway.domain.policy import TrustPolicy
-from tether_tool_gateway.domain.policy_document import EARLIER_DEFAULT_POLICY_TEXTS, default_policies, index_by_version
+from tether_tool_gateway.domain.policy_document import (
+    DEFAULT_1_POLICY_TEXT,
+    DEFAULT_2_POLICY_TEXT,
+    default_policies,
+    index_by_version,
+)
 from tether_tool_gateway.executors.mcp_stdio import StdioServer, tool_specs_from_mcp_stdio
 from tether_tool_gateway.executors.mcp_tool import McpTool, list_mcp_tools, tool_specs_from_mcp
 from tether_tool_gateway.handlers import call_decision_inputs
 from tether_tool_gateway.mcp_testing import start_mcp_server
 
-DEFAULT_2 = EARLIER_DEFAULT_POLICY_TEXTS[0]
+DEFAULT_2 = DEFAULT_2_POLICY_TEXT
 SECRET = "4711-0815"
 #: What a poisoned description asks for: the goal's account in a URL to an allowed host.
 LEAK = f"http://127.0.0.1/c?d={SECRET}-JaneRoe"
@@ -64,7 +69,7 @@ def test_a_run_offered_an_untrusted_mcp_servers_tools_is_tainted_from_its_first_
     assert all(s.untrusted_source and s.executor_kind == "mcp" for s in mcp_specs)
     gw, call, emitted = first_fetch(make_harness, mcp_specs, LEAK)
     req = only(emitted, ApprovalRequested)
-    assert req.reasons == ["TAINTED_EGRESS"] and req.policy_version.startswith("default/3@")
+    assert req.reasons == ["TAINTED_EGRESS"] and req.policy_version.startswith("default/4@")
     assert gw.driver.pending == {} and gw.executor.requests == []
     inputs = call_decision_inputs(gw.driver.states["run-1"], gw.call_state(call), recorded_at_ms=0)
     assert inputs.tainted_by == () and inputs.tool_taint == tuple(sorted(f"tools:{s.name}" for s in mcp_specs))
@@ -108,7 +113,7 @@ def test_earlier_policies_hash_the_inputs_they_hashed_before_the_snapshot_taint_
     inputs = call_decision_inputs(gw.driver.states["run-1"], gw.call_state(call), recorded_at_ms=5)
     assert inputs.tool_taint and inputs.copied_args and inputs.linked_args
     bare = dataclasses.replace(inputs, tool_taint=(), copied_args=None, linked_args=None)
-    for text in EARLIER_DEFAULT_POLICY_TEXTS:
+    for text in (DEFAULT_2_POLICY_TEXT, DEFAULT_1_POLICY_TEXT):  # the defaults before the snapshot taint
         old = TrustPolicy(parse_policy(text))
         assert old.decide_call(inputs) == old.decide_call(bare)
     current = TrustPolicy()

@@ -154,6 +154,72 @@ def test_a_schema_whose_ref_resolves_to_nothing_denies_the_call_instead_of_faili
                                          "nothing in the schema (another document is never fetched)")
 
 
+# -- JSON Schema `format`: asserted under the document's arguments.assert_formats ------------------
+def invite_tool() -> ToolSpec:
+    """A user tool as an MCP server on zod or pydantic declares it: formats, no pattern."""
+    return ToolSpec(name="invite", version=1, description="invite someone to a meeting",
+                    args_schema_json=json.dumps({"type": "object", "properties": {
+                        "email": {"type": "string", "format": "email"},
+                        "starts": {"type": "string", "format": "date-time"},
+                        "agenda": {"type": "string", "format": "uri"},
+                        "room": {"type": "string", "format": "uuid"},
+                        "note": {"type": "string", "format": "regex"}},  # not asserted: an annotation
+                        "required": ["email", "starts"]}),
+                    risk_class=RiskClass.WRITE, idempotent=False, untrusted_source=False, executor_kind="mcp")
+
+
+def invite(args: dict) -> CallDecisionInputs:
+    return inputs(invite_tool(), args, tenant_grants=["invite"], agent_allowlist=["invite"])
+
+
+INVITE = {"email": "ana@example.com", "starts": "2026-12-01T09:30:00+01:00", "agenda": "https://docs.example.com/a",
+          "room": "2eb8aa08-aa98-11ea-b4aa-73b441d16380", "note": "(unclosed"}
+
+
+@pytest.mark.parametrize(("arg", "value", "detail"), [
+    ("email", "ana at example.com", "email: 'ana at example.com' is not a 'email'"),
+    ("email", "ana@example.com\nBcc: all@example.com", "is not a 'email'"),
+    ("starts", "tomorrow 9am", "starts: 'tomorrow 9am' is not a 'date-time'"),
+    ("starts", "2026-02-30T09:30:00Z", "is not a 'date-time'"),
+    ("agenda", "docs.example.com/a", "agenda: 'docs.example.com/a' is not a 'uri'"),
+    ("room", "room-12", "room: 'room-12' is not a 'uuid'"),
+])
+def test_a_value_breaking_an_asserted_format_is_invalid_args_under_the_default(arg, value, detail):
+    # jsonschema only annotates `format` unless given a FormatChecker: each of these was allowed.
+    assert isinstance(verdict(TrustPolicy(), invite(INVITE)), Allow)
+    v = verdict(TrustPolicy(), invite(INVITE | {arg: value}))
+    assert isinstance(v, Deny) and v.reason_code == "INVALID_ARGS" and detail in v.detail, v
+
+
+def test_formats_are_asserted_only_by_a_policy_that_lists_them():
+    # The decisions recorded under default/3 and under documents without the rule re-derive unchanged.
+    from tether_tool_gateway.domain.policy_document import default_policies
+
+    _, third, *_ = default_policies()
+    call = invite(INVITE | {"email": "ana at example.com", "starts": "tomorrow"})
+    assert isinstance(verdict(TrustPolicy(third), call), Allow)
+    assert isinstance(verdict(policy({"version": "acme/1"}), call), Allow)
+    only_email = policy({"version": "acme/2", "arguments": {"assert_formats": ["email"]}})
+    assert verdict(only_email, call) == Deny("INVALID_ARGS", "email: 'ana at example.com' is not a 'email'")
+    assert isinstance(verdict(only_email, invite(INVITE | {"starts": "tomorrow"})), Allow)
+    assert isinstance(verdict(BasicPolicy(), call), Allow)
+
+
+def test_a_run_accepted_under_default_3_is_decided_without_formats_after_the_upgrade():
+    # A gateway on the built-in default decides a run in flight under the default that accepted it
+    # (RunState.default_policy_version): its calls get the verdicts default/3's gateway gave them.
+    from tether_tool_gateway.domain.policy import policy_for_run
+    from tether_tool_gateway.domain.policy_document import DEFAULT_POLICY_VERSION, default_policies
+
+    _, third, *_ = default_policies()
+    current = TrustPolicy()
+    assert policy_for_run(current, DEFAULT_POLICY_VERSION) is current
+    in_flight = policy_for_run(current, third.policy_version)
+    assert in_flight.version == third.policy_version and in_flight.version.startswith("default/3@")
+    call = invite(INVITE | {"email": "ana at example.com"})
+    assert isinstance(verdict(in_flight, call), Allow) and isinstance(verdict(current, call), Deny)
+
+
 # -- risk classes and the policy document ------------------------------------------------------
 def test_default_policy_asks_a_human_for_irreversible_only():
     p = TrustPolicy()
@@ -290,12 +356,14 @@ def test_copied_args_are_hashed_only_by_a_policy_that_reads_them():
 def test_the_default_policy_follows_links_and_the_earlier_default_still_derives_its_decisions():
     from tether_tool_gateway.domain.policy_document import default_policies
 
-    current, second, earlier = default_policies()
-    assert current.document.taint.follow_links and current.policy_version.startswith("default/3@")
+    current, third, second, earlier = default_policies()
+    assert current.document.taint.follow_links and current.policy_version.startswith("default/4@")
+    assert third.document.taint.follow_links and third.policy_version.startswith("default/3@")
     assert second.document.taint.follow_links and second.policy_version.startswith("default/2@")
     assert not earlier.document.taint.follow_links and earlier.policy_version.startswith("default/1@")
     old = inputs(FETCH, {"url": LINK}, copied_args={"/url": "tool:1.0"}, linked_args={"/url": "tool:1.0"}, **TAINTED)
     assert verdict(TrustPolicy(current), old).reasons[-1] == "EGRESS_FOLLOWS_LINK"
+    assert verdict(TrustPolicy(third), old).reasons[-1] == "EGRESS_FOLLOWS_LINK"
     assert verdict(TrustPolicy(second), old).reasons[-1] == "EGRESS_FOLLOWS_LINK"
     assert verdict(TrustPolicy(earlier), old).reasons == ("TAINTED_EGRESS",)
 
@@ -408,7 +476,7 @@ def test_policy_version_names_the_version_and_the_content():
     assert a.policy_version == b.policy_version and a.policy_version.startswith("acme/7@")
     assert c.policy_version != a.policy_version
     assert index_by_version([a, c])[c.policy_version] is c
-    assert default_policy().policy_version.startswith("default/3@")
+    assert default_policy().policy_version.startswith("default/4@")
 
 
 @pytest.mark.parametrize("text,why", [
@@ -420,6 +488,7 @@ def test_policy_version_names_the_version_and_the_content():
     ('{"version": "v", "rate_limits": [{"limit": 0, "per_s": 1}]}', "limit"),
     ('{"version": "v", "rate_limits": [{"limit": 1, "per_s": 1}, {"limit": 2, "per_s": 1}]}', "more than one"),
     ('{"version": "v", "surprise": 1}', "surprise"),
+    ('{"version": "v", "arguments": {"assert_formats": ["email", "hostname"]}}', "cannot assert format(s) ['hostname']"),
 ])
 def test_invalid_documents_are_refused(text, why):
     with pytest.raises(PolicyDocumentInvalid) as err:

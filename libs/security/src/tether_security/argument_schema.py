@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, FormatChecker
 from jsonschema_specifications import REGISTRY as SPECIFICATIONS
 from referencing import Registry
 from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT202012
+
+from tether_security.argument_formats import FORMAT_CHECKS
 
 if TYPE_CHECKING:
     from referencing._core import Resolver
@@ -27,16 +29,41 @@ _MAX_DEPTH = 32
 SchemaReferenceUnresolvable = Unresolvable
 
 
-def argument_validator(schema: Mapping[str, Any]) -> Draft202012Validator:
-    """A draft 2020-12 validator of arguments against `schema` that never fetches a document.
+#: The `format` values that can be asserted (`argument_formats.FORMAT_CHECKS`); any other stays an annotation.
+ASSERTABLE_FORMATS = frozenset(FORMAT_CHECKS)
+
+
+def _strings_only(check: Callable[[str], bool]) -> Callable[[object], bool]:
+    # A format constrains strings only: a number under "format": "email" is the `type` keyword's business.
+    return lambda value: not isinstance(value, str) or check(value)
+
+
+def format_checker(formats: Iterable[str]) -> FormatChecker:
+    """A FormatChecker asserting exactly `formats` with this package's own checks (never jsonschema's,
+    whose set depends on optional packages); raises ValueError for a format it cannot assert."""
+    checker = FormatChecker(formats=())
+    for name in formats:
+        if name not in FORMAT_CHECKS:
+            raise ValueError(f"cannot assert format {name!r}; assertable: {', '.join(sorted(FORMAT_CHECKS))}")
+        checker.checks(name)(_strings_only(FORMAT_CHECKS[name]))
+    return checker
+
+
+def argument_validator(schema: Mapping[str, Any], formats: Iterable[str] = ()) -> Draft202012Validator:
+    """A draft 2020-12 validator of arguments against `schema` that never fetches a document and
+    asserts `format` for exactly `formats` (each in ASSERTABLE_FORMATS; none by default, as
+    jsonschema does: `format` is an annotation unless asserted).
 
     jsonschema's default registry retrieves any `$ref` to another document over the network (with
     a deprecation warning): a tool's schema, which an MCP server writes, would make whoever checks a
     call fetch a URL of the server's choosing, and make the verdict depend on what it answered then.
     Here a `$ref` resolves only within `schema` and the JSON Schema meta-schemas (bundled); any other
     raises SchemaReferenceUnresolvable from `iter_errors`/`is_valid`, which the caller must treat as
-    an unusable schema. Does not check the schema itself (`Draft202012Validator.check_schema`)."""
-    return Draft202012Validator(schema, registry=SPECIFICATIONS)
+    an unusable schema. A value breaking an asserted format is a validation error like any other
+    ("'x' is not a 'email'"). Does not check the schema itself (`Draft202012Validator.check_schema`)."""
+    formats = tuple(formats)
+    return Draft202012Validator(schema, registry=SPECIFICATIONS,
+                                format_checker=format_checker(formats) if formats else None)
 
 
 class NotAnObjectSchema(ValueError):

@@ -18,7 +18,7 @@ from jsonschema.exceptions import SchemaError
 
 from tether_planner.domain.canonical import NonStandardJson, canonical_json, loads_standard
 from tether_planner.domain.messages import ToolView
-from tether_security.argument_schema import SchemaReferenceUnresolvable, argument_validator
+from tether_security.argument_schema import ASSERTABLE_FORMATS, SchemaReferenceUnresolvable, argument_validator
 
 #: Problem codes returned to the model (stable; tests and dashboards use them).
 INVALID_JSON = "INVALID_JSON"
@@ -70,8 +70,10 @@ class CallProblem:
 def _schema_errors(args: dict[str, Any], schema: dict[str, Any]) -> list[str]:
     try:
         Draft202012Validator.check_schema(schema)
-        # Never fetches a $ref to another document (a URL an MCP server chose), as at the gateway.
-        validator = argument_validator(schema)
+        # Never fetches a $ref to another document (a URL an MCP server chose), as at the gateway; asserts
+        # every format the gateway can (its default policy does), so a malformed address or date goes
+        # back to the model at once instead of costing a step and a denial.
+        validator = argument_validator(schema, ASSERTABLE_FORMATS)
         errors = sorted(validator.iter_errors(args), key=lambda e: (list(e.absolute_path), e.message))
     except (SchemaError, SchemaReferenceUnresolvable):
         # A tool snapshot with an unusable schema cannot be checked here; the gateway refuses it.

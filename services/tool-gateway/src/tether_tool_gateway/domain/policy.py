@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from typing import Any, Protocol
@@ -278,24 +278,27 @@ class Policy(Protocol):
 
 # -- shared rules ------------------------------------------------------------------------------
 @lru_cache(maxsize=256)
-def _validator(schema_json: str) -> Draft202012Validator:
+def _validator(schema_json: str, formats: tuple[str, ...]) -> Draft202012Validator:
     schema = json.loads(schema_json)
     Draft202012Validator.check_schema(schema)
-    return argument_validator(schema)  # never fetches a $ref: the verdict depends on the recorded schema only
+    # Never fetches a $ref, and asserts the formats with checks of its own: the verdict depends on the
+    # recorded schema and the policy version only, not on the network or on what is installed.
+    return argument_validator(schema, formats)
 
 
 def _short(text: str) -> str:
     return text if len(text) <= _DETAIL_MAX else text[: _DETAIL_MAX - 1] + "…"
 
 
-def validate_args(tool: ToolSpec, args_json: str) -> str | None:
-    """None if `args_json` validates against the tool's JSON Schema (draft 2020-12), else why not."""
+def validate_args(tool: ToolSpec, args_json: str, formats: Iterable[str] = ()) -> str | None:
+    """None if `args_json` validates against the tool's JSON Schema (draft 2020-12), with `format`
+    asserted for `formats` (the policy document's arguments.assert_formats), else why not."""
     try:
         args = json.loads(args_json)
     except json.JSONDecodeError as exc:
         return f"arguments are not JSON: {exc.msg}"
     try:
-        validator = _validator(tool.args_schema_json)
+        validator = _validator(tool.args_schema_json, tuple(sorted(set(formats))))
     except (json.JSONDecodeError, SchemaError) as exc:
         return f"the tool's argument schema is invalid: {getattr(exc, 'message', str(exc))}"
     try:
@@ -396,7 +399,8 @@ class TrustPolicy:
     """The trust boundary's policy, driven by a versioned policy document (docs/policy.md).
 
     In order: unknown tool → UNKNOWN_TOOL; not in tenant grants ∩ agent allowlist ∩ delegated
-    scope → TOOL_NOT_ALLOWED; args hash or JSON Schema → INVALID_ARGS; the tool's argument
+    scope → TOOL_NOT_ALLOWED; args hash or JSON Schema (with the document's arguments.assert_formats
+    asserted) → INVALID_ARGS; the tool's argument
     constraints → CONSTRAINT_VIOLATION; then a human is needed for any of POLICY (the document
     names the tool), RISK_CLASS (the tool's class needs approval at the deployment, tenant or
     agent level and no level waives the tool) and TAINTED_EGRESS (the run has read untrusted
@@ -462,7 +466,7 @@ class TrustPolicy:
             return Deny("TOOL_NOT_ALLOWED", f"tool {i.tool_name!r} is {'; '.join(missing)}")
         if sha256_hex(i.args_json) != i.args_hash:
             return Deny("INVALID_ARGS", "args_hash does not match args_json")
-        problem = validate_args(tool, i.args_json)
+        problem = validate_args(tool, i.args_json, self.loaded.document.arguments.assert_formats)
         if problem is not None:
             return Deny("INVALID_ARGS", problem)
         try:

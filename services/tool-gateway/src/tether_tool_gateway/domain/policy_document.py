@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tether_contracts.records import RiskClass
+from tether_security.argument_schema import ASSERTABLE_FORMATS
 from tether_tool_gateway.domain.canonical import canonical_json, sha256_hex
 
 DAY_MS = 24 * 60 * 60 * 1000
@@ -98,6 +99,26 @@ class TaintRules(_Strict):
     )
 
 
+class ArgumentRules(_Strict):
+    """How a call's arguments are checked against the tool's JSON Schema, beyond what it validates by default."""
+
+    assert_formats: list[str] = Field(
+        default_factory=list,
+        description="JSON Schema `format` values whose violation is a schema violation (INVALID_ARGS), each "
+                    "one the gateway checks itself (tether_security.argument_formats); any other format stays "
+                    "an annotation, as in JSON Schema by default (docs/policy.md).",
+    )
+
+    @field_validator("assert_formats")
+    @classmethod
+    def _assertable(cls, v: list[str]) -> list[str]:
+        unknown = sorted(set(v) - ASSERTABLE_FORMATS)
+        if unknown:
+            raise ValueError(f"cannot assert format(s) {unknown}; the gateway asserts "
+                             f"{', '.join(sorted(ASSERTABLE_FORMATS))}")
+        return v
+
+
 class PolicyDocument(_Strict):
     """The whole policy (docs/policy.md)."""
 
@@ -108,6 +129,7 @@ class PolicyDocument(_Strict):
     rate_limits: list[RateLimit] = Field(default_factory=list)
     approval_ttl_ms: int = Field(DEFAULT_APPROVAL_TTL_MS, ge=1)
     taint: TaintRules = Field(default_factory=TaintRules)
+    arguments: ArgumentRules = Field(default_factory=ArgumentRules)
 
     @field_validator("version")
     @classmethod
@@ -186,13 +208,19 @@ def parse_policy(text: str) -> LoadedPolicy:
 
 #: Used when no document is configured: irreversible tools need a human, no rate limits, a
 #: tainted run may follow the links it was given with a read-only egress tool (only links a result
-#: held before the model first wrote them), and an untrusted MCP server's tools taint the run.
-DEFAULT_POLICY_TEXT = ('{"version": "default/3", "taint": {"follow_links": true, "strict_link_sources": true, '
-                       '"mcp_tool_descriptions": true}}')
+#: held before the model first wrote them), an untrusted MCP server's tools taint the run, and every
+#: `format` the gateway can check is asserted.
+DEFAULT_POLICY_TEXT = ('{"version": "default/4", "taint": {"follow_links": true, "strict_link_sources": true, '
+                       '"mcp_tool_descriptions": true}, "arguments": {"assert_formats": ["date", "date-time", '
+                       '"email", "ipv4", "ipv6", "time", "uri", "uuid"]}}')
 #: The defaults of earlier releases, still needed to re-derive the decisions they recorded
-#: (default/2: before taint.strict_link_sources and taint.mcp_tool_descriptions; default/1: before
-#: http_get was an egress tool and before taint.follow_links).
-EARLIER_DEFAULT_POLICY_TEXTS = ('{"version": "default/2", "taint": {"follow_links": true}}', '{"version": "default/1"}')
+#: (default/3: before arguments.assert_formats; default/2: before taint.strict_link_sources and
+#: taint.mcp_tool_descriptions; default/1: before http_get was an egress tool and before taint.follow_links).
+DEFAULT_3_POLICY_TEXT = ('{"version": "default/3", "taint": {"follow_links": true, "strict_link_sources": true, '
+                         '"mcp_tool_descriptions": true}}')
+DEFAULT_2_POLICY_TEXT = '{"version": "default/2", "taint": {"follow_links": true}}'
+DEFAULT_1_POLICY_TEXT = '{"version": "default/1"}'
+EARLIER_DEFAULT_POLICY_TEXTS = (DEFAULT_3_POLICY_TEXT, DEFAULT_2_POLICY_TEXT, DEFAULT_1_POLICY_TEXT)
 
 
 #: The default's policy version, which a gateway on the default records in each new run's state
@@ -200,7 +228,7 @@ EARLIER_DEFAULT_POLICY_TEXTS = ('{"version": "default/2", "taint": {"follow_link
 DEFAULT_POLICY_VERSION = policy_version_of(json.loads(DEFAULT_POLICY_TEXT))
 #: What a run whose state has no `default_policy_version` was accepted under: the state was
 #: checkpointed by the release before default/3, whose default was default/2.
-PREVIOUS_DEFAULT_POLICY_VERSION = policy_version_of(json.loads(EARLIER_DEFAULT_POLICY_TEXTS[0]))
+PREVIOUS_DEFAULT_POLICY_VERSION = policy_version_of(json.loads(DEFAULT_2_POLICY_TEXT))
 
 
 def default_policy() -> LoadedPolicy:
