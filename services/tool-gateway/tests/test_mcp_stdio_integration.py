@@ -189,7 +189,8 @@ def test_a_secret_in_the_stderr_tail_is_redacted_before_the_tail_is_cut(env):
     assert not any(SECRET[i:i + 8] in env.ledger_text() for i in range(len(SECRET) - 7))
 
 
-#: A bare MCP server (no SDK, the system python3) that answers tools/call with a JSON-RPC error.
+#: A bare MCP server (no SDK, the system python3) that answers tools/call with a JSON-RPC error (its code
+#: in the argv's last argument).
 REFUSING_SERVER = """
 import json, sys
 for line in sys.stdin:
@@ -199,18 +200,21 @@ for line in sys.stdin:
                   "serverInfo": {"name": "refusing", "version": "0"}}
         print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}), flush=True)
     elif msg.get("method") == "tools/call":
-        error = {"code": -32602, "message": "refused: bad arguments"}
+        error = {"code": int(sys.argv[-1]), "message": "refused: bad arguments"}
         print(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "error": error}), flush=True)
 """
 
 
-def test_a_call_the_server_refuses_with_a_json_rpc_error_is_a_failure_whatever_the_tool(env):
-    # The server's own answer to the call says it did not do it: a plain failure, no human needed.
-    server = StdioServer(command=("/usr/bin/python3", "-c", REFUSING_SERVER))
+@pytest.mark.parametrize(("code", "retryable"), [(-32602, False), (-32603, True)])
+def test_a_call_the_server_refuses_with_a_json_rpc_error_is_a_failure_whatever_the_tool(env, code, retryable):
+    # The server's own answer to the call says it did not do it: a plain failure, no human needed. Invalid
+    # params would be refused again (it was retryable); an internal error may pass.
+    server = StdioServer(command=("/usr/bin/python3", "-c", REFUSING_SERVER, str(code)))
     [spec] = tool_specs_from_mcp_stdio(server, [_declared("anything")], timeout_ms=CALL_TIMEOUT_MS)
     outcome = env.run(spec, {})
     assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR", outcome
-    assert "refused: bad arguments" in outcome.detail
+    assert "refused: bad arguments" in outcome.detail and f"the server's JSON-RPC error {code}" in outcome.detail
+    assert outcome.retryable is retryable
 
 
 #: A bare MCP server's start (the system python3, no SDK): it answers the handshake and stops reading

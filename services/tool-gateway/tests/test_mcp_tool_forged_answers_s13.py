@@ -15,7 +15,7 @@ import threading
 import pytest
 from mcp.server.mcpserver import MCPServer
 from mcp.shared.exceptions import MCPError
-from mcp_types import INTERNAL_ERROR
+from mcp_types import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST, METHOD_NOT_FOUND
 
 from tether_messaging.blobstore import PostgresBlobStore
 from tether_security import Redactor, SecretRegistry, StaticSecretProvider
@@ -164,12 +164,13 @@ def test_an_answer_the_server_did_not_give_is_a_retryable_failure_for_an_idempot
     assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR" and outcome.retryable, outcome
 
 
-def refusing_server() -> MCPServer:
+def refusing_server(code: int = INTERNAL_ERROR) -> MCPServer:
     server = MCPServer("refuses")
 
-    @server.tool(description="Refuses with a JSON-RPC error: the same code the SDK gives a proxy's 502.")
+    @server.tool(description="Refuses with a JSON-RPC error (INTERNAL_ERROR: the same code the SDK gives a "
+                             "proxy's 502).")
     def charge(amount: int) -> str:
-        raise MCPError(code=INTERNAL_ERROR, message=f"ledger locked: {amount} was not charged")
+        raise MCPError(code=code, message=f"ledger locked: {amount} was not charged")
 
     return server
 
@@ -184,3 +185,17 @@ def test_the_servers_own_json_rpc_error_is_a_definite_failure(env, json_response
     # The server said it did not do it: a plain failure, no human needed, for a non-idempotent tool too.
     assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR", outcome
     assert "ledger locked: 5 was not charged" in outcome.detail
+    assert "the server's JSON-RPC error -32603" in outcome.detail and outcome.retryable
+
+
+@pytest.mark.parametrize(("code", "retryable"), [(INVALID_PARAMS, False), (METHOD_NOT_FOUND, False),
+                                                 (INVALID_REQUEST, False), (-32001, True)])
+def test_a_refusal_of_the_request_itself_is_not_worth_another_try(env, code, retryable):
+    # Every code was retryable: arguments the server refuses were sent again, to the same refusal.
+    running = start_mcp_server(refusing_server(code))
+    try:
+        outcome = env(running.url, "charge", {"amount": 5}, idempotent=True)
+    finally:
+        running.stop()
+    assert isinstance(outcome, Failed) and outcome.error_code == "TOOL_ERROR", outcome
+    assert f"the server's JSON-RPC error {code}" in outcome.detail and outcome.retryable is retryable

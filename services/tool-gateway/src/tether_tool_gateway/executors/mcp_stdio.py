@@ -59,6 +59,7 @@ from tether_tool_gateway.executors.mcp_tool import (
     ServerAnswer,
     call_result,
     declared_tools,
+    refusal_error,
     server_refused,
     tool_specs,
     transport_error,
@@ -287,7 +288,7 @@ def _session_error(exc: BaseException, channel: SandboxedStdio, end: SandboxExit
     error = _session_error_kind(exc, channel, end, what)
     if channel.call_sent and not server_refused(exc, channel.answer):
         error.effect_unknown = True
-    return error
+    return refusal_error(error, exc, channel.answer)
 
 
 def _session_error_kind(exc: BaseException, channel: SandboxedStdio, end: SandboxExit | None,

@@ -10,7 +10,8 @@ Config (ToolSpec.executor_config_json):
 
 The gateway opens a session, calls `tools/call` with the validated arguments (the call's idem_key
 goes in the request's `_meta` as `tether/idempotency_key`), and records the result; a result the
-server flags `isError` is a tool error, and so is a JSON-RPC error the server itself answered. Any
+server flags `isError` is a tool error, and so is a JSON-RPC error the server itself answered (not
+retryable for invalid request, method not found and invalid params: FINAL_JSONRPC_ERRORS). Any
 other failure once the call went out (a cut connection, a proxy's 5xx, an answer that is not
 JSON-RPC, a 202 with no answer) leaves open whether the tool ran (ToolError.effect_unknown). `tool_specs_from_mcp` turns a server's `tools/list` into
 ToolSpecs, by default in the most restrictive class (IRREVERSIBLE, not idempotent, untrusted).
@@ -33,7 +34,17 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.dispatcher import coerce_request_id
 from mcp.shared.exceptions import MCPError
-from mcp_types import CallToolResult, ErrorData, JSONRPCError, JSONRPCMessage, RequestId, jsonrpc_message_adapter
+from mcp_types import (
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    CallToolResult,
+    ErrorData,
+    JSONRPCError,
+    JSONRPCMessage,
+    RequestId,
+    jsonrpc_message_adapter,
+)
 
 from tether_contracts.records import RiskClass, ToolSpec
 from tether_security.argument_schema import NotAnObjectSchema, object_schema
@@ -250,6 +261,26 @@ def server_refused(exc: BaseException, answer: ServerAnswer) -> bool:
         (refusal.code, refusal.message, refusal.data) == (said.code, said.message, said.data)
 
 
+#: JSON-RPC errors that say the request itself is wrong (JSON-RPC 2.0 section 5.1; MCP answers an unknown
+#: tool or arguments it refuses with INVALID_PARAMS): the same tools/call sent again fails the same way.
+#: INTERNAL_ERROR and the server's own codes may pass (a lock, an overload) and stay retryable.
+FINAL_JSONRPC_ERRORS = {INVALID_REQUEST: "invalid request", METHOD_NOT_FOUND: "method not found",
+                        INVALID_PARAMS: "invalid params"}
+
+
+def refusal_error(error: ToolError, exc: BaseException, answer: ServerAnswer) -> ToolError:
+    """`error` (from `transport_error`) for a tools/call the server refused with its own JSON-RPC error
+    (`server_refused`): the detail names the code, and a refusal of the request itself
+    (FINAL_JSONRPC_ERRORS) is not retryable. Any other failure is returned as it is."""
+    said = answer.error
+    if said is None or not server_refused(exc, answer):
+        return error
+    final = FINAL_JSONRPC_ERRORS.get(said.code)
+    why = f"{said.code}, {final}: sent again it would fail the same way" if final else f"{said.code}"
+    return ToolError(error.code, f"{error.detail} (the server's JSON-RPC error {why})",
+                     error.retryable and final is None, effect_unknown=error.effect_unknown, tail=error.tail)
+
+
 def _jsonable(block: Any) -> Any:
     return block.model_dump(mode="json", by_alias=True, exclude_none=True)
 
@@ -286,7 +317,7 @@ class McpToolExecutor:
         except Exception as exc:  # transport, protocol (MCPError) and timeouts alike
             error = transport_error(exc, f"tools/call {remote!r}")
             error.effect_unknown = calling and call_may_have_arrived(exc, answer)
-            raise error from exc
+            raise refusal_error(error, exc, answer) from exc
         return call_result(remote, result)
 
 
