@@ -166,7 +166,8 @@ HANDOVERS = Counter(
 )
 PRODUCERS_REPLACED = Counter(
     "tether_loop_producers_replaced_total",
-    "Transactional producers replaced in-process after librdkafka failed an abort fatally (INVALID_TXN_STATE).",
+    "Transactional producers replaced in-process after librdkafka failed an abort fatally (INVALID_TXN_STATE) "
+    "or after an abort of records the broker refused as too large (their sequence numbers).",
     ["service"],
 )
 
@@ -214,6 +215,11 @@ class ContextMisuse(Exception):
 
 class _AbortBatch(Exception):
     """The open transaction must be aborted and the batch replayed."""
+
+    def __init__(self, message: str, kafka_error: KafkaError | None = None) -> None:
+        super().__init__(message)
+        #: The transactional call's error, when one ended the batch (`ProcessorLoop._call`).
+        self.kafka_error = kafka_error
 
 
 #: What a handler call's effects came from: ("record", topic, partition, offset) for an input,
@@ -1685,9 +1691,23 @@ class ProcessorLoop:
         self._log.warning("batch_aborted", error=str(exc))
         BATCHES.labels(self._name, "aborted").inc()
         if self._txn:
+            generation = self._producer_generation
             self._abort_transaction()
             # The delivery reports of what the abort purged or the broker refused (`_refused`).
             self._producer.poll(0)
+            refused = bool(self._refused) or (exc.kafka_error is not None and exc.kafka_error.code() in _TOO_LARGE)
+            if refused and self._producer_generation == generation:
+                # The records the broker refused took sequence numbers it never wrote, and librdkafka
+                # aborts a refusal without bumping the epoch, so it keeps counting from them: the
+                # replay's first produce to each refused partition is out of sequence ("skipped
+                # sequence numbers", OUT_OF_ORDER_SEQUENCE_NUMBER). When that hits a transaction
+                # already failing (a second refused partition), librdkafka holds the records back for
+                # an epoch bump and commit_transaction waits for them until message.timeout.ms (=
+                # transaction.timeout.ms): the coordinator's own timeout of that transaction, if it
+                # comes first, fences the producer (a fatal `_FENCED`, which failed a CI run of
+                # test_loop_poison_records.py). A new producer's init_transactions bumps the epoch and
+                # starts every partition's sequence afresh: the replay commits at once.
+                self._replace_producer(why="the broker refused records as too large: their sequence numbers are spent")
         # At least once, a poison record's batch is replayed without a transaction to abort: what
         # it produced before stays, and is produced again (duplicates, which at least once allows).
         self._poison.update(self._find_poison(batch, exc))
@@ -1789,9 +1809,10 @@ class ProcessorLoop:
         self._retry_while_broker_away("abort_transaction", abort, retriable=lambda err: err.retriable())
 
     def _replace_producer(self, why: str) -> None:
-        """Swap the current (fatally failed) transactional producer for a new one with the same
-        transactional id, whose init_transactions fences the old one and aborts its open
-        transaction. Raises FatalLoopError if that fails (fenced by a newer instance: exit)."""
+        """Swap the current transactional producer (fatally failed, or with sequence numbers the
+        broker never saw) for a new one with the same transactional id, whose init_transactions
+        fences the old one, aborts its open transaction, if any, and starts every partition's
+        sequence at 0. Raises FatalLoopError if that fails (fenced by a newer instance: exit)."""
         old = self._producer
         self._producer_generation += 1
         if self._fatal is not None and self._fatal.code() == KafkaError.INVALID_TXN_STATE:
@@ -1840,7 +1861,7 @@ class ProcessorLoop:
                 if err.fatal():
                     raise FatalLoopError(f"fatal transaction error: {err.str()}") from exc
                 if err.txn_requires_abort():
-                    raise _AbortBatch(err.str()) from exc
+                    raise _AbortBatch(err.str(), err) from exc
                 if err.retriable() and attempt < 10:
                     self._log.info("txn_retry", error=err.str(), attempt=attempt)
                     time.sleep(min(0.05 * 2**attempt, 2))
