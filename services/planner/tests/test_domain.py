@@ -24,6 +24,7 @@ from tether_planner.domain.validation import (
     CallProblem,
     RawToolCall,
     ValidCall,
+    _validator,
     check_call,
     check_calls,
 )
@@ -89,6 +90,24 @@ def test_a_value_breaking_a_format_the_gateway_asserts_goes_back_to_the_model() 
     assert isinstance(bad, CallProblem) and bad.code == INVALID_ARGS
     assert bad.detail == ("arguments do not match the tool's schema: /email: 'ana at example.com' is not a 'email'; "
                           "/starts: 'tomorrow' is not a 'date-time'")
+
+
+def test_a_tools_schema_is_checked_against_the_meta_schema_once_not_per_call() -> None:
+    # check_schema (≈ 1 ms) ran for every call of every step; the checked validator is now cached by the
+    # schema's text, and the verdicts stay per call.
+    _validator.cache_clear()
+    tools = {"kv": ToolView(name="kv", args_schema_json=json.dumps(
+        {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}))}
+    for n in range(5):
+        assert isinstance(check_call(RawToolCall(f"c{n}", "kv", '{"key": "k"}'), tools), ValidCall)
+    bad = check_call(RawToolCall("c9", "kv", '{"key": 1}'), tools)
+    assert isinstance(bad, CallProblem) and bad.code == INVALID_ARGS
+    assert _validator.cache_info().misses == 1 and _validator.cache_info().hits == 5
+    # A schema the meta-schema refuses is left to the gateway (which refuses it), cached as such.
+    broken = {"t": ToolView(name="t", args_schema_json=json.dumps({"type": "object", "properties": {"a": {"type": 5}}}))}
+    assert isinstance(check_call(RawToolCall("c1", "t", '{"a": 1}'), broken), ValidCall)
+    assert isinstance(check_call(RawToolCall("c2", "t", '{"a": 1}'), broken), ValidCall)
+    assert _validator.cache_info().misses == 2
 
 
 @pytest.mark.parametrize("ref", ["#/$defs/missing", "http://127.0.0.1:9/args.json"])

@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from jsonschema import Draft202012Validator
@@ -67,16 +68,37 @@ class CallProblem:
         }
 
 
-def _schema_errors(args: dict[str, Any], schema: dict[str, Any]) -> list[str]:
+@lru_cache(maxsize=256)
+def _validator(schema_json: str) -> Draft202012Validator | None:
+    """The checked validator of a tool's argument schema (its snapshot's text), or None if unusable.
+
+    Cached by the schema's text, as at the gateway: checking a schema against the 2020-12
+    meta-schema costs ≈ 1 ms, more than the rest of a call's check, and a run offers the same few
+    tools step after step. The validator holds no state between `iter_errors` calls."""
+    try:
+        schema = json.loads(schema_json)
+    except json.JSONDecodeError:
+        schema = None
+    if not isinstance(schema, dict):
+        schema = {"type": "object"}  # as ToolView.schema(): an unreadable snapshot offers an open object
     try:
         Draft202012Validator.check_schema(schema)
-        # Never fetches a $ref to another document (a URL an MCP server chose), as at the gateway; asserts
-        # every format the gateway can (its default policy does), so a malformed address or date goes
-        # back to the model at once instead of costing a step and a denial.
-        validator = argument_validator(schema, ASSERTABLE_FORMATS)
-        errors = sorted(validator.iter_errors(args), key=lambda e: (list(e.absolute_path), e.message))
-    except (SchemaError, SchemaReferenceUnresolvable):
+    except SchemaError:
+        return None
+    # Never fetches a $ref to another document (a URL an MCP server chose), as at the gateway; asserts
+    # every format the gateway can (its default policy does), so a malformed address or date goes
+    # back to the model at once instead of costing a step and a denial.
+    return argument_validator(schema, ASSERTABLE_FORMATS)
+
+
+def _schema_errors(args: dict[str, Any], schema_json: str) -> list[str]:
+    validator = _validator(schema_json)
+    if validator is None:
         # A tool snapshot with an unusable schema cannot be checked here; the gateway refuses it.
+        return []
+    try:
+        errors = sorted(validator.iter_errors(args), key=lambda e: (list(e.absolute_path), e.message))
+    except SchemaReferenceUnresolvable:
         return []
     out = []
     for e in errors[:_MAX_SCHEMA_ERRORS]:
@@ -108,7 +130,7 @@ def check_call(raw: RawToolCall, tools: Mapping[str, ToolView]) -> ValidCall | C
         # instead, as at the tool gateway (in canonical JSON it can only stand inside a string).
         args_json = _LONE_SURROGATE.sub("\ufffd", args_json)
         args = json.loads(args_json)
-    errors = _schema_errors(args, tool.schema())
+    errors = _schema_errors(args, tool.args_schema_json)
     if errors:
         return CallProblem(raw, INVALID_ARGS, "arguments do not match the tool's schema: " + "; ".join(errors))
     return ValidCall(raw, args, args_json)
