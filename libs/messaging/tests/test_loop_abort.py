@@ -268,6 +268,21 @@ def test_a_hung_transactional_call_ends_the_process(call_s: float, exits: bool) 
     assert codes == ([1] if exits else [])
 
 
+def test_the_transactional_producer_does_not_re_bootstrap_when_every_broker_is_down() -> None:
+    """With KIP-1102 re-bootstrap, a restart of the only broker leaves send_offsets_to_transaction
+    waiting on a decommissioned group coordinator past its timeout (confluentinc/librdkafka#5511):
+    reproduced on a private broker by libs/messaging/bench/txn_broker_restart.py, which a test
+    cannot afford (it restarts the broker). Here: the loop's transactional producer is configured
+    without it, librdkafka accepts that, and an explicit override still wins."""
+    processor = eos_processor.EosProcessor(Topics("unused."), 0)
+    conf = ProcessorLoop(processor, LoopConfig(bootstrap="127.0.0.1:1"))._producer_config()
+    assert conf["metadata.recovery.strategy"] == "none"
+    Producer(conf)  # librdkafka rejects an unknown property or value here (_INVALID_ARG)
+    overridden = ProcessorLoop(processor, LoopConfig(
+        bootstrap="127.0.0.1:1", producer_overrides={"metadata.recovery.strategy": "rebootstrap"}))._producer_config()
+    assert overridden["metadata.recovery.strategy"] == "rebootstrap"
+
+
 class _CommitFails:
     """A consumer whose synchronous offset commit raises the given errors first (as librdkafka
     does while the group coordinator reloads after a broker restart), then succeeds."""

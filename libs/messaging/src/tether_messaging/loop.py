@@ -810,6 +810,18 @@ class ProcessorLoop:
             # the same reason). Later retries of a persistent error still back off exponentially, up
             # to retry.backoff.max.ms (1 s).
             conf["retry.backoff.ms"] = cfg.retry_backoff_ms
+            # No KIP-1102 re-bootstrap: when every broker is down (a restart of a one-broker
+            # cluster), librdkafka 2.16 re-bootstraps at once and decommissions the brokers it
+            # knew, but keeps a decommissioned one cached as the group coordinator, so the
+            # TxnOffsetCommit of send_offsets_to_transaction waits for a broker thread that will
+            # never connect again, ignoring its timeout (confluentinc/librdkafka#5511, #5456; fix
+            # #5512 open). Every broker restart in `make chaos` left some slots inside that call
+            # until the watchdog (`txn_call_hang_s`) ended them; libs/messaging/bench/
+            # txn_broker_restart.py reproduces it on a private broker. Without re-bootstrap the
+            # known brokers stay and reconnect when the broker is back. What that gives up: a
+            # cluster whose every broker address changed is not found again in-process (the
+            # process then fails and its supervisor restarts it with the bootstrap list).
+            conf["metadata.recovery.strategy"] = "none"
         else:
             conf["acks"] = "all"
             conf["on_delivery"] = self._on_delivery
