@@ -144,6 +144,21 @@ def decisions(bootstrap: str, topic: str) -> list[ApprovalDecided]:
 
 
 @pytest.mark.integration
+def park_two_approvals(send: Sender, topics: Topics, kafka_bootstrap: str) -> None:
+    """Accept RUN, request apr_1 and apr_2 in it, and wait until the running service has checkpointed both."""
+    send.send(topics.run_events, accepted_run(), "RunAccepted", producer="budget", recorded_at_ms=T0)
+    send.send(topics.run_events, request("apr_1", "1.0"), "ApprovalRequested", 1, producer="budget",
+              recorded_at_ms=T0)
+    send.send(topics.run_events, request("apr_2", "1.1"), "ApprovalRequested", 2, producer="budget",
+              recorded_at_ms=T0)
+
+    def both_pending() -> bool:
+        state = latest_values(kafka_bootstrap, topics.changelog("approval"), PARTITIONS).get(RUN.encode())
+        return state is not None and b'"apr_1"' in state and b'"apr_2"' in state
+
+    wait_until("the approvals are parked (checkpointed)", both_pending)
+
+
 def test_a_restart_past_the_expiry_applies_the_decisions_recorded_in_time_before_expiring(kafka_bootstrap: str) -> None:
     # Two approvals of one run, pending, both expiring at EXPIRES_AT. The service stops; run-api records
     # bob's APPROVE of apr_1 in time (1 s before the expiry) and bob's APPROVE of apr_2 too late (1 ms
@@ -161,17 +176,7 @@ def test_a_restart_past_the_expiry_applies_the_decisions_recorded_in_time_before
     send = Sender(kafka_bootstrap)
 
     with running(ApprovalProcessor(build_deps(settings, registry=CollectorRegistry())), config, clock):
-        send.send(topics.run_events, accepted_run(), "RunAccepted", producer="budget", recorded_at_ms=T0)
-        send.send(topics.run_events, request("apr_1", "1.0"), "ApprovalRequested", 1, producer="budget",
-                  recorded_at_ms=T0)
-        send.send(topics.run_events, request("apr_2", "1.1"), "ApprovalRequested", 2, producer="budget",
-                  recorded_at_ms=T0)
-
-        def both_pending() -> bool:
-            state = latest_values(kafka_bootstrap, topics.changelog("approval"), PARTITIONS).get(RUN.encode())
-            return state is not None and b'"apr_1"' in state and b'"apr_2"' in state
-
-        wait_until("the approvals are parked (checkpointed)", both_pending)
+        park_two_approvals(send, topics, kafka_bootstrap)
 
     # The service is down: the commands pile up.
     for n in range(12):
@@ -246,17 +251,7 @@ def test_a_service_behind_on_its_commands_applies_the_decision_recorded_in_time_
     processor = SlowApproval(build_deps(settings, registry=registry), slow_run="slow-run")
 
     with running(processor, config, clock):
-        send.send(topics.run_events, accepted_run(), "RunAccepted", producer="budget", recorded_at_ms=T0)
-        send.send(topics.run_events, request("apr_1", "1.0"), "ApprovalRequested", 1, producer="budget",
-                  recorded_at_ms=T0)
-        send.send(topics.run_events, request("apr_2", "1.1"), "ApprovalRequested", 2, producer="budget",
-                  recorded_at_ms=T0)
-
-        def both_pending() -> bool:
-            state = latest_values(kafka_bootstrap, topics.changelog("approval"), PARTITIONS).get(RUN.encode())
-            return state is not None and b'"apr_1"' in state and b'"apr_2"' in state
-
-        wait_until("the approvals are parked (checkpointed)", both_pending)
+        park_two_approvals(send, topics, kafka_bootstrap)
 
         # The service gets stuck on a record (a decision for another run's approval, on the same partition).
         send.send(topics.commands, decision("apr_x", "9.0"), "Decide", "slow", producer="run-api",
