@@ -75,27 +75,9 @@ def produce(bootstrap: str, topic: str, partition: int, steps: range, *, transac
 
 
 def run_until(loop: ProcessorLoop, done, what: str) -> None:
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            loop.run(stop)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not done() and not errors:
-            if time.monotonic() > deadline:
-                pytest.fail(f"not within 60 s: {what}")
-            time.sleep(0.05)
-    finally:
-        stop.set()
-        thread.join(60)
-    assert not errors, errors
+    """Run the loop until `done()` (or it fails), then stop it."""
+    with running(loop) as errors:
+        wait_for(what, lambda: done() or bool(errors))
 
 
 @pytest.mark.integration
@@ -173,7 +155,8 @@ class NotesReadThrough:
 
 
 @contextmanager
-def running(loop: ProcessorLoop) -> Iterator[None]:
+def running(loop: ProcessorLoop) -> Iterator[list[BaseException]]:
+    """Run the loop on a thread; yields the errors it ended with so far (asserted empty at the end)."""
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -186,7 +169,7 @@ def running(loop: ProcessorLoop) -> Iterator[None]:
     thread = threading.Thread(target=run)
     thread.start()
     try:
-        yield
+        yield errors
     finally:
         stop.set()
         thread.join(60)
