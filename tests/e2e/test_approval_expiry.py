@@ -8,11 +8,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Producer
 from typer.testing import CliRunner
 
-from tether_api.v1 import run_service_pb2 as runs_pb
-from tether_contracts.records import ApprovalDecided, ApprovalOutcome, ApprovalRequested, ToolCallDenied
-from tether_messaging.serde import open_payload
+from tether_api.v1 import approval_service_pb2 as approvals_pb, run_service_pb2 as runs_pb
+from tether_contracts.records import (
+    ApprovalDecided,
+    ApprovalDecisionRefused,
+    ApprovalOutcome,
+    ApprovalRequested,
+    DecideApproval,
+    Envelope,
+    ToolCallDenied,
+)
+from tether_messaging.envelopes import derived_id, headers_for, make_envelope
+from tether_messaging.logreader import read_log
+from tether_messaging.serde import encode, open_payload
 from tether_run_api.audit import read_run_log
 from tether_run_api.cli import main as cli
 from tether_testing.system import SystemConfig, TetherSystem
@@ -72,6 +83,74 @@ def test_an_approval_nobody_decides_expires_and_the_model_is_told(short_ttl_syst
     assert [m for m in system.sink_records("smtp") if m.get("subject") == f"apr {run_id}"] == []
 
     # The audit re-derives the expiry (and the approval request) under the same policy document.
+    policy = system.workdir / "policy.json"
+    policy.write_text(json.dumps(POLICY))
+    result = CliRunner().invoke(cli.app, ["audit", "verify", "--bootstrap", system.config.kafka_bootstrap,
+                                          "--topic-prefix", system.names.topic_prefix, "--run", run_id,
+                                          "--policy-file", str(policy)])
+    assert result.exit_code == 0, result.output
+
+
+def _log(system: TetherSystem, run_id: str) -> list[tuple[int, Envelope]]:
+    """The run's events with the partition they are on."""
+    read = read_log(system.config.kafka_bootstrap, system.names.topics.run_events)
+    return [(r.partition, r.envelope) for r in read.records if r.envelope.run_id == run_id]
+
+
+def test_a_decision_made_in_time_but_read_after_the_expiry_is_on_the_log_and_the_approval(short_ttl_system):
+    # run-api took the approver's APPROVE before the approval's expiry, but its record reached the
+    # commands topic only after the expiry and its grace had decided EXPIRED (a produce slower than the
+    # grace allows, or skewed clocks): injected here the way run-api writes it. EXPIRED stands and the
+    # call does not run; the human's decision is sequenced into the run's log as ApprovalDecisionRefused
+    # (after the run moved on to its next step), shown on the approval, and the audit accepts it.
+    system = short_ttl_system
+    run_id = system.client.submit("[scenario:e2e-late-approval] Mail the on-call twice (nobody answers in time).")
+    deadline = time.monotonic() + 120
+    while True:  # the first approval EXPIRED, the second one pending: the run is still going
+        log = _log(system, run_id)
+        requests = [open_payload(e) for _, e in log if e.event_type == ApprovalRequested.AVRO_NAME]
+        if len(requests) == 2:
+            break
+        if time.monotonic() > deadline:
+            pytest.fail("the second approval was not requested\n" + system.log_tail("approval", 20))
+        time.sleep(0.2)
+    first = requests[0]
+    partition = log[0][0]
+    approver = system.config.approver_id
+    command = DecideApproval(approval_id=first.approval_id, call_id=first.call_id, args_hash=first.args_hash,
+                             approver_id=approver, approver_roles=["approver"], approve=True, comment="fine by me")
+    command_id = derived_id(run_id, "DecideApproval", first.approval_id, approver, True)
+    envelope = make_envelope(command, run_id=run_id, tenant_id=system.bootstrap.tenant_id, event_id=command_id,
+                             producer="run-api", recorded_at_ms=first.expires_at_ms - 100)
+    producer = Producer({"bootstrap.servers": system.config.kafka_bootstrap, "enable.idempotence": True})
+    producer.produce(system.names.topics.commands, encode(envelope), run_id.encode(), partition=partition,
+                     headers=headers_for(envelope))
+    assert producer.flush(30) == 0
+
+    run = _wait_for_end(system, run_id)
+    assert run.status == runs_pb.RUN_STATUS_COMPLETED
+    log = _log(system, run_id)
+    payloads = [(e.seq, open_payload(e)) for _, e in log]
+    expired_at = next(seq for seq, p in payloads
+                      if isinstance(p, ApprovalDecided) and p.approval_id == first.approval_id)
+    [(refused_at, refused)] = [(seq, p) for seq, p in payloads if isinstance(p, ApprovalDecisionRefused)]
+    assert refused_at > expired_at
+    assert (refused.approval_id, refused.approver_id, refused.approve, refused.reason, refused.decided_at_ms) == (
+        first.approval_id, approver, True, "DECISION_AFTER_EXPIRY", first.expires_at_ms - 100)
+    assert [(p.outcome, p.approver_id) for _, p in payloads if isinstance(p, ApprovalDecided)] == \
+        [(ApprovalOutcome.EXPIRED, "system")] * 2
+    assert [p.reason_code for _, p in payloads if isinstance(p, ToolCallDenied)] == ["APPROVAL_EXPIRED"] * 2
+    assert [m for m in system.sink_records("smtp") if run_id in m.get("subject", "")] == []  # nothing was sent
+
+    listed = system.approver.approvals.ListApprovals(
+        approvals_pb.ListApprovalsRequest(status=approvals_pb.APPROVAL_STATUS_EXPIRED, run_id=run_id),
+        metadata=system.approver.metadata)
+    by_id = {a.approval_id: a for a in listed.approvals}
+    late = by_id[first.approval_id].refused_decision
+    assert (late.approver_id, late.approve, late.comment, late.reason) == (
+        approver, True, "fine by me", "DECISION_AFTER_EXPIRY")
+    assert not by_id[requests[1].approval_id].HasField("refused_decision")
+
     policy = system.workdir / "policy.json"
     policy.write_text(json.dumps(POLICY))
     result = CliRunner().invoke(cli.app, ["audit", "verify", "--bootstrap", system.config.kafka_bootstrap,

@@ -15,11 +15,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
-from tether_approval.handlers import decided_event_id
+from tether_approval.handlers import decided_event_id, refused_event_id
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
     AgentSpec,
     ApprovalDecided,
+    ApprovalDecisionRefused,
     ApprovalOutcome,
     ApprovalRequested,
     Caps,
@@ -191,7 +192,16 @@ def test_a_decision_read_after_its_approval_expired_is_refused_visibly_on_the_re
         assert [(r["approval_id"], r["approver_id"], r["approve"], r["recorded_at_ms"], r["expires_at_ms"])
                 for r in refused] == [("apr_1", "bob", True, asked.expires_at_ms - 200, asked.expires_at_ms)]
         intake.poll_for(2)
-        assert [event_id for event_id, _ in intake.records] == [decided_event_id(RUN, "apr_1")]  # EXPIRED stands
+        # EXPIRED stands; bob's decision is on the intake as the record of a decision that did not take
+        # effect (budget sequences it into the run's log); carol's duplicate-like late one is not.
+        bob_command = derived_id(RUN, "Decide", 1)
+        assert [event_id for event_id, _ in intake.records] == [
+            decided_event_id(RUN, "apr_1"), refused_event_id(RUN, bob_command)]
+        refusal = intake.records[1][1]
+        assert isinstance(refusal, ApprovalDecisionRefused)
+        assert (refusal.approval_id, refusal.approver_id, refusal.approve, refusal.reason, refusal.decided_at_ms,
+                refusal.expires_at_ms) == ("apr_1", "bob", True, "DECISION_AFTER_EXPIRY",
+                                           asked.expires_at_ms - 200, asked.expires_at_ms)
     finally:
         intake.consumer.close()
 

@@ -6,9 +6,10 @@ import pytest
 
 from tether_approval.domain.decisions import ApprovalPolicy, unknown_outcome_approval_id
 from tether_approval.domain.state import Notification
-from tether_approval.handlers import decided_event_id
+from tether_approval.handlers import decided_event_id, refused_event_id
 from tether_contracts.records import (
     ApprovalDecided,
+    ApprovalDecisionRefused,
     ApprovalOutcome,
     ApprovalRequested,
     Remaining,
@@ -22,6 +23,12 @@ from tether_contracts.records import (
     Usage,
 )
 from tether_messaging.topics import RUN_INTAKE
+
+
+def only_refusal(emitted):
+    assert [e.topic for e in emitted] == [RUN_INTAKE]
+    assert isinstance(emitted[0].payload, ApprovalDecisionRefused)
+    return emitted[0]
 
 
 def only_decision(emitted) -> ApprovalDecided:
@@ -140,8 +147,20 @@ def test_a_decision_made_in_time_but_read_after_the_grace_is_refused_as_such_and
     expires_at = h.T0 + 60_000
     h.driver.now_ms = expires_at + ApprovalPolicy().expiry_grace_ms + 1
     assert only_decision(h.driver.tick()).outcome is ApprovalOutcome.EXPIRED
-    assert h.decide(recorded_at_ms=expires_at - 100) == []
-    assert h.decide(approver="carol", approve=False, recorded_at_ms=expires_at) == []  # exactly at expiry: in time
+    # Each is put on the log as what it was (budget sequences it): a human's decision that did not
+    # take effect belongs to the run's record, not only to this service's log lines.
+    bob = only_refusal(h.decide(recorded_at_ms=expires_at - 100, comment="go ahead"))
+    assert bob.payload == ApprovalDecisionRefused(
+        approval_id="apr_1", call_id="1.0", approver_id="bob", approve=True, comment="go ahead",
+        reason="DECISION_AFTER_EXPIRY", detail=bob.payload.detail, decided_at_ms=expires_at - 100,
+        expires_at_ms=expires_at,
+    )
+    assert (bob.envelope.run_id, bob.envelope.tenant_id, bob.envelope.producer) == ("r1", "t1", "approval")
+    assert bob.envelope.event_id == refused_event_id("r1", h.last_command_id)
+    assert bob.envelope.causation_id == h.last_command_id
+    carol = only_refusal(h.decide(approver="carol", approve=False, recorded_at_ms=expires_at))  # at expiry: in time
+    assert (carol.payload.approver_id, carol.payload.approve) == ("carol", False)
+    assert carol.envelope.event_id != bob.envelope.event_id  # one record per command
     late = h.registry.get_sample_value
     assert (late("tether_approval_decisions_after_expiry_total", {"decision": "approve"}),
             late("tether_approval_decisions_after_expiry_total", {"decision": "reject"})) == (1, 1)

@@ -8,6 +8,7 @@ from tether_budget.domain.ledger import CallStatus, RunStatus
 from tether_contracts.records import (
     AgentSpec,
     ApprovalDecided,
+    ApprovalDecisionRefused,
     ApprovalOutcome,
     ApprovalRequested,
     CancelRun,
@@ -553,6 +554,46 @@ def test_a_cancel_while_an_approval_is_pending_reports_it_and_the_late_decision_
     assert report.pending == ["1.0 search APPROVAL_PENDING approval ap-7"]
     # The gateway only executes on an ApprovalDecided in the log; after the end there is none.
     assert h.decided("1.0", ApprovalOutcome.APPROVED, approval_id="ap-7") == []
+
+
+def _refused(h, call_id: str, *, approval_id: str = "ap1", command: str = "cmd-1", run_id: str = "r1") -> list:
+    ev = ApprovalDecisionRefused(approval_id=approval_id, call_id=call_id, approver_id="bob", approve=True,
+                                 reason="DECISION_AFTER_EXPIRY", decided_at_ms=h.driver.now_ms - 1_000,
+                                 expires_at_ms=h.driver.now_ms - 500)
+    return h.intake(ev, run_id, what=("refused", command), producer="approval")
+
+
+def test_a_decision_refused_after_the_expiry_is_recorded_whatever_the_run_has_done_since(harness) -> None:
+    # The approval service read a human's in-time decision only after EXPIRED had decided: the record of
+    # it comes after the denial, the next step, even the run's end, and changes nothing in the ledger.
+    h = harness
+    h.submit()
+    h.model(1, 1)
+    h.request(1, 0)
+    h.approval_requested("1.0")
+    h.decided("1.0", ApprovalOutcome.EXPIRED)
+    assert _types(h.denied("1.0", reason="APPROVAL_EXPIRED")) == ["ToolCallDenied", "StepGranted"]
+    before = h.ledger().model_dump()
+    assert _types(_refused(h, "1.0")) == ["ApprovalDecisionRefused"]  # step 1 is stale; the record is not
+    assert _types(h.log_payloads())[-3:] == ["ToolCallDenied", "StepGranted", "ApprovalDecisionRefused"]
+    chain = ("seen_event_ids", "seq", "last_hash")  # the append itself; nothing else changes
+    after = h.ledger().model_dump()
+    assert {k: v for k, v in after.items() if k not in chain} == {k: v for k, v in before.items() if k not in chain}
+    assert _refused(h, "1.0") == []  # the same command re-read: once
+    h.cancel()
+    assert _types(_refused(h, "1.0", command="cmd-2")) == ["ApprovalDecisionRefused"]  # after the end too
+    # One that names a call the run never had, or another approval than the call's, contradicts the log.
+    with pytest.raises(Unprocessable) as err:
+        _refused(h, "1.7", command="cmd-3")
+    assert err.value.reason == "UNKNOWN_CALL"
+    with pytest.raises(Unprocessable) as err:
+        _refused(h, "1.0", approval_id="ap2", command="cmd-4")
+    assert err.value.reason == "APPROVAL_MISMATCH"
+    # A tombstone no longer knows which it appended: dropped rather than appended twice.
+    h.driver.now_ms += 60_000
+    h.tick()
+    assert h.ledger().tombstoned
+    assert _refused(h, "1.0", command="cmd-5") == []
 
 
 # -- the gateway's rate-limit deferrals and delegated scope (added with the gateway's policy) ----

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
+import psycopg
 import pytest
 import redis
 from prometheus_client import CollectorRegistry
+from psycopg import sql
 
 from tether_projector.adapters.memory import InMemoryLiveState, InMemoryReadModel
 from tether_projector.adapters.postgres import PostgresReadModel
@@ -17,7 +19,13 @@ from tether_projector.domain.state import RunFold
 from tether_projector.handlers import Deps, project_batch
 from tether_projector.metrics import ProjectorMetrics
 from tether_projector.ports import LiveState, LiveUpdate, ReadModel
-from tether_projector.testing import cancelled_while_waiting, happy_run, rejected_run, troubled_run
+from tether_projector.testing import (
+    cancelled_while_waiting,
+    expired_with_a_late_decision,
+    happy_run,
+    rejected_run,
+    troubled_run,
+)
 
 
 # -- ReadModel ------------------------------------------------------------------------------------
@@ -81,8 +89,9 @@ def test_rows_are_ordered_by_key(read_model: ReadModel) -> None:
 
 
 def test_projected_runs_read_the_same_through_every_adapter(read_model: ReadModel) -> None:
-    events = [ev for log in (happy_run("r1"), troubled_run("r2"), cancelled_while_waiting("r3"), rejected_run("r4"))
-              for ev in log.log_events()]
+    logs = (happy_run("r1"), troubled_run("r2"), cancelled_while_waiting("r3"), rejected_run("r4"),
+            expired_with_a_late_decision("r5"))
+    events = [ev for log in logs for ev in log.log_events()]
     reference = InMemoryReadModel()
     for model in (reference, read_model):
         deps = Deps(read_model=model, live=None, metrics=ProjectorMetrics(CollectorRegistry()))
@@ -114,6 +123,24 @@ def test_postgres_schema_creation_is_idempotent(pg_read_model: PostgresReadModel
         tx.write([fold_row("r1", 1)])
     pg_read_model.ensure_schema()
     assert [r["run_id"] for r in pg_read_model.rows("runs")] == ["r1"]
+
+
+@pytest.mark.integration
+def test_a_read_model_created_before_refused_decisions_gains_the_column_at_start_up(
+    pg_read_model: PostgresReadModel,
+) -> None:
+    # A deployment whose approvals table predates ApprovalDecisionRefused: the next start-up adds the
+    # column in place, and projecting the event then works (without it, every batch with one would fail).
+    with pg_read_model.transaction() as tx:
+        tx.write([Upsert("approvals", ("apr-1",), {"tenant_id": "t", "status": "EXPIRED"})])
+    with psycopg.connect(pg_read_model.dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("ALTER TABLE {s}.approvals DROP COLUMN refused_decision").format(
+            s=sql.Identifier(pg_read_model.schema)))
+    pg_read_model.ensure_schema()
+    with pg_read_model.transaction() as tx:
+        tx.write([Upsert("approvals", ("apr-1",), {"tenant_id": "t", "refused_decision": Json({"approve": True})})])
+    [row] = pg_read_model.rows("approvals")
+    assert (row["status"], row["refused_decision"]) == ("EXPIRED", {"approve": True})
 
 
 # -- LiveState ------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from tether_projector.domain.state import CallStatus, RunFold, RunStatus, StepSt
 from tether_projector.testing import (
     RunLog,
     cancelled_while_waiting,
+    expired_with_a_late_decision,
     happy_run,
     random_run,
     rejected_run,
@@ -180,6 +181,21 @@ def test_declined_approval_denies_the_call_and_closes_the_step(outcome: Approval
     assert t["tool_calls"][("run-5", "1.0")]["status"] == CallStatus.DENIED
     assert t["tool_calls"][("run-5", "1.0")]["policy_version"] == "p1"
     assert t["steps"][("run-5", 1)]["ended_at_ms"] == closed_at
+
+
+def test_a_decision_read_after_the_expiry_shows_on_the_expired_approval() -> None:
+    log = expired_with_a_late_decision("run-8")
+    fold, t = fold_log(log.events)
+    refusal = next(e for e in log.events if e.event_type == "tether.v1.ApprovalDecisionRefused")
+    approval = t["approvals"][("apr-run-8-1.0",)]
+    assert (approval["status"], approval["decided_by"]) == ("EXPIRED", "system")  # EXPIRED stands
+    assert approval["refused_decision"] == {
+        "approver_id": "bob", "approve": True, "comment": "looks fine",
+        "decided_at_ms": open_payload(refusal).decided_at_ms, "reason": "DECISION_AFTER_EXPIRY", "seq": refusal.seq,
+    }
+    assert t["tool_calls"][("run-8", "1.0")]["status"] == CallStatus.DENIED  # the call did not run
+    assert t["events"][("run-8", refusal.seq)]["event_type"] == "tether.v1.ApprovalDecisionRefused"
+    assert fold.status == RunStatus.COMPLETED
 
 
 def test_an_authorized_call_shows_the_decision_until_its_outcome() -> None:

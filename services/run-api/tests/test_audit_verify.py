@@ -17,6 +17,7 @@ from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
     AgentSpec,
     ApprovalDecided,
+    ApprovalDecisionRefused,
     ApprovalOutcome,
     ApprovalRequested,
     Caps,
@@ -280,6 +281,46 @@ def test_an_approval_decision_that_does_not_follow_is_reported():
     assert any("after its expiry" in p for p in problems)
     assert any("who submitted the run" in p for p in problems)
     assert any("the request is for call" in p for p in problems)
+
+
+def _expired_approval(s: Sequencer) -> tuple[ToolCall, ApprovalRequested]:
+    s.intake(_model(1, 1), "planner", "m1")
+    req, call = _call(1, 0, "send_email", {"to": "x@evil.test", "subject": "s", "body": "b"})
+    s.intake(req, "planner", "r1.0")
+    requested = ApprovalRequested(approval_id="apr_1", step=1, call_id=call.call_id, idem_key=call.idem_key,
+                                  tool_name="send_email", args_json=call.args_json, args_hash=call.args_hash,
+                                  reasons=["RISK_CLASS"], risk_class=TOOLS[NAMES.index("send_email")].risk_class,
+                                  expires_at_ms=T0 + 10_000, policy_version="x", inputs_hash="0" * 64,
+                                  provenance_json="{}")
+    s.raw(requested, "tool-gateway", "a1")
+    return call, requested
+
+
+def _refusal(call: ToolCall, *, decided_at_ms: int, expires_at_ms: int, reason: str = "DECISION_AFTER_EXPIRY",
+             ) -> ApprovalDecisionRefused:
+    return ApprovalDecisionRefused(approval_id="apr_1", call_id=call.call_id, approver_id="bob", approve=True,
+                                   reason=reason, decided_at_ms=decided_at_ms, expires_at_ms=expires_at_ms)
+
+
+def test_a_decision_refused_after_its_approval_expired_follows_and_one_that_does_not_is_reported():
+    s = Sequencer(_submit())
+    call, requested = _expired_approval(s)
+    expired = ApprovalDecided(approval_id="apr_1", call_id=call.call_id, args_hash=call.args_hash,
+                              outcome=ApprovalOutcome.EXPIRED, approver_id="system", decided_at_ms=T0 + 40_001)
+    # Refused before any EXPIRED is on the log: the approval service refuses only after the expiry decided.
+    s.raw(_refusal(call, decided_at_ms=T0 + 9_000, expires_at_ms=requested.expires_at_ms), "approval", "early")
+    s.raw(expired, "approval", "d1")
+    s.raw(_refusal(call, decided_at_ms=T0 + 9_000, expires_at_ms=requested.expires_at_ms), "approval", "ok")
+    s.raw(_refusal(call, decided_at_ms=T0 + 11_000, expires_at_ms=T0 + 12_000), "approval", "late")
+    s.raw(_refusal(call, decided_at_ms=T0 + 9_000, expires_at_ms=requested.expires_at_ms,
+                   reason="APPROVAL_NOT_PENDING"), "approval", "other")
+    found = [(f.seq, f.problem) for f in verify_log(s.log).mismatches if f.check == "approval"]
+    seqs = {e.event_id: e.seq for e in s.log}
+    assert [seq for seq, _ in found] == [seqs[derived_id(RUN, "early")], seqs[derived_id(RUN, "late")],
+                                         seqs[derived_id(RUN, "other")]], found
+    assert "had not EXPIRED before it" in found[0][1]
+    assert "not a decision recorded in time" in found[1][1]
+    assert "only DECISION_AFTER_EXPIRY is recorded" in found[2][1]
 
 
 def _authorized(s: Sequencer, call: ToolCall, step: int, *, forge: list[str] | None = None) -> ToolCallAuthorized:

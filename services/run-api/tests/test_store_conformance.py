@@ -9,12 +9,15 @@ from dataclasses import replace
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.types.json import Jsonb
 
+from tether_api.v1 import approval_service_pb2 as approvals_pb
 from tether_contracts.records import AgentSpec, Caps, ModelRef, RiskClass, ToolSpec
 from tether_projector.adapters.postgres import DDL as READ_MODEL_DDL
 from tether_run_api import admin
 from tether_run_api.adapters.postgres import PostgresStore, migrate, open_pool
 from tether_run_api.adapters.read_model import PostgresReadModel
+from tether_run_api.api.convert import approval_pb
 from tether_run_api.domain.errors import (
     AgentAlreadyExists,
     AgentVersionConflict,
@@ -23,7 +26,7 @@ from tether_run_api.domain.errors import (
     RequestIdReused,
     UnstorableValue,
 )
-from tether_run_api.domain.views import ApprovalView, Submission
+from tether_run_api.domain.views import ApprovalView, RefusedDecisionView, Submission
 from tether_run_api.ports import Idempotency
 from tether_run_api.testing import FakeCatalog, FakeLedger, FakeReadModel
 
@@ -63,6 +66,15 @@ def store(request) -> Iterator[object]:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
+def _refused_row(a: ApprovalView) -> Jsonb | None:
+    """The projector's `refused_decision` column for the view (tether_projector.domain.project)."""
+    r = a.refused_decision
+    if r is None:
+        return None
+    return Jsonb({"approver_id": r.approver_id, "approve": r.approve, "comment": r.comment,
+                  "decided_at_ms": r.decided_at_ms, "reason": r.reason, "seq": 9})
+
+
 class ReadModelRows:
     """A ReadModel (the fake or the PostgreSQL one) and a way to store the projector's rows under it."""
 
@@ -91,10 +103,10 @@ def read_model(request) -> Iterator[ReadModelRows]:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(sql.SQL(
                 "INSERT INTO {}.approvals (approval_id, tenant_id, run_id, call_id, args_hash, status, "
-                "requested_at_ms, expires_at_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)").format(
+                "requested_at_ms, expires_at_ms, refused_decision) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)").format(
                 sql.Identifier(schema)),
                 (a.approval_id, tenant_id, a.run_id, a.call_id, a.args_hash, a.status, a.requested_at_ms,
-                 a.expires_at_ms))
+                 a.expires_at_ms, _refused_row(a)))
 
     try:
         yield ReadModelRows(PostgresReadModel(pool, schema), add_row)
@@ -240,6 +252,22 @@ def test_operator_text_with_a_nul_character_is_refused_before_the_store() -> Non
         admin.create_tenant(untouched, "acme", display_name="A\x00")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument):
         admin.grant_tools(untouched, "acme", "b\x00b", ["web_search"])  # type: ignore[arg-type]
+
+
+def test_an_expired_approval_shows_the_decision_that_came_too_late(read_model: ReadModelRows) -> None:
+    late = RefusedDecisionView(approver_id="bob", approve=True, comment="fine", decided_at_ms=1_000,
+                               reason="DECISION_AFTER_EXPIRY")
+    read_model.add_approval("t", ApprovalView("apr_1", "RUN1", "1.0", "a" * 64, "EXPIRED", requested_at_ms=1,
+                                              expires_at_ms=1_500, refused_decision=late))
+    read_model.add_approval("t", ApprovalView("apr_2", "RUN1", "1.1", "a" * 64, "EXPIRED", requested_at_ms=2,
+                                              expires_at_ms=1_500))
+    [first, second] = read_model.read_model.list_approvals("t", "EXPIRED", None, None, 10, 2_000)
+    assert (first.refused_decision, second.refused_decision) == (late, None)
+    pb = approval_pb(first, 2_000)
+    assert (pb.status, pb.refused_decision.approver_id, pb.refused_decision.approve, pb.refused_decision.reason,
+            pb.refused_decision.decide_time.ToMilliseconds()) == (
+        approvals_pb.APPROVAL_STATUS_EXPIRED, "bob", True, "DECISION_AFTER_EXPIRY", 1_000)
+    assert not approval_pb(second, 2_000).HasField("refused_decision")
 
 
 def test_list_approvals_filters_on_the_effective_status(read_model: ReadModelRows) -> None:

@@ -183,6 +183,22 @@ class ApprovalDecided(AvroRecord):
     decided_at_ms: int = Field(description="Recorded decision time, ms since the epoch.")
 
 
+class ApprovalDecisionRefused(AvroRecord):
+    """An approver's decision that run-api took in time but that did not take effect: the approval service read it only after the approval had already EXPIRED (its record reached the commands topic later than the expiry grace allows). EXPIRED stays the approval's one decision; this records the human's, so the log shows a call a human allowed that did not run. Emitted by the approval service for the reason DECISION_AFTER_EXPIRY only: every other refusal is checked by run-api before it takes a decision, or is a duplicate."""
+
+    AVRO_NAME: ClassVar[str] = "tether.v1.ApprovalDecisionRefused"
+    KIND: ClassVar[str] = "events"
+    approval_id: str = Field(description="The approval the decision was for.")
+    call_id: str = Field(description="Identifier of the tool call inside the run: '<step>.<call_index>'.")
+    approver_id: str = Field(description="Authenticated approver.")
+    approve: bool = Field(description="What the approver decided: true approved the call, false rejected it.")
+    comment: str = Field('', description="Free text from the approver.")
+    reason: str = Field(description="The approval service's reason code for the refusal: DECISION_AFTER_EXPIRY.")
+    detail: str = Field('', description="The refusal for humans.")
+    decided_at_ms: int = Field(description="When the approver decided: the command's recorded time (run-api took it), ms since the epoch.")
+    expires_at_ms: int = Field(description="When the approval expired, ms since the epoch.")
+
+
 class ApprovalRequested(AvroRecord):
     """A tool call needs a human decision; the run is parked until ApprovalDecided."""
 
@@ -487,6 +503,7 @@ RECORD_TYPES: dict[str, type[AvroRecord]] = {
     "tether.v1.CancelRun": CancelRun,
     "tether.v1.DecideApproval": DecideApproval,
     "tether.v1.ApprovalDecided": ApprovalDecided,
+    "tether.v1.ApprovalDecisionRefused": ApprovalDecisionRefused,
     "tether.v1.ApprovalRequested": ApprovalRequested,
     "tether.v1.ModelCallCompleted": ModelCallCompleted,
     "tether.v1.ModelCallFailed": ModelCallFailed,

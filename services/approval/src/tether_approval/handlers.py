@@ -1,9 +1,13 @@
 """Handlers of the approval processor: load the run's approvals, ask the domain, emit the decision.
 
 Each handler is a plain function (record first, dependencies as named parameters); the tables
-mapping record types to handlers are at the bottom. A refused decision emits nothing: it is
-logged (`decision_refused`, with reason and facts) and counted (`tether_approval_refusals_total`;
-one read after its approval expired also in `tether_approval_decisions_after_expiry_total`).
+mapping record types to handlers are at the bottom. A refused decision is logged
+(`decision_refused`, with reason and facts) and counted (`tether_approval_refusals_total`). One
+recorded in time but read after its approval expired (DECISION_AFTER_EXPIRY) is also counted in
+`tether_approval_decisions_after_expiry_total` and recorded on the log as an
+`ApprovalDecisionRefused`: a human's decision that did not take effect is part of the run's record.
+Every other refusal emits nothing (run-api refuses those before it takes a decision, or it is a
+duplicate; a stranger's command must not write into a run's log).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from tether_approval.notifier import ApprovalNotification, ApproverNotifier, Del
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
     ApprovalDecided,
+    ApprovalDecisionRefused,
     ApprovalRequested,
     DecideApproval,
     RunAccepted,
@@ -67,6 +72,11 @@ class Deps:
 def decided_event_id(run_id: str, approval_id: str) -> str:
     """One event id for any decision of an approval, so at most one is ever sequenced."""
     return derived_id(run_id, PRODUCER, "approval-decided", approval_id)
+
+
+def refused_event_id(run_id: str, command_event_id: str) -> str:
+    """One event id per refused command: re-reading the command after a crash emits the same record."""
+    return derived_id(run_id, PRODUCER, "approval-decision-refused", command_event_id)
 
 
 def outcome_unknown_request_event_id(run_id: str, call_id: str) -> str:
@@ -134,12 +144,38 @@ def _emit_decision(decided: ApprovalDecided, run: RunApprovals, ctx: Context, de
     )
 
 
+def _record_refusal(refusal: DecisionAfterExpiry, command: DecideApproval, run: RunApprovals, *,
+                    decided_at_ms: int, event_id: str, ctx: Context, deps: Deps) -> None:
+    """Put a decision that came in time but was read after the expiry on the log (budget sequences it)."""
+    approval = run.approvals[command.approval_id]
+    ctx.emit(
+        deps.topics.run_intake,
+        ApprovalDecisionRefused(
+            approval_id=approval.approval_id,
+            call_id=approval.call_id,
+            approver_id=command.approver_id,
+            approve=command.approve,
+            comment=command.comment,
+            reason=refusal.reason,
+            detail=refusal.detail,
+            decided_at_ms=decided_at_ms,
+            expires_at_ms=approval.expires_at_ms,
+        ),
+        run_id=run.run_id,
+        tenant_id=run.tenant_id or "",
+        event_id=refused_event_id(run.run_id, event_id),
+        causation_id=event_id,
+    )
+
+
 def _decide(command: DecideApproval, run: RunApprovals, *, tenant_id: str, decided_at_ms: int, event_id: str,
             ctx: Context, deps: Deps) -> None:
     try:
         decided = validate_decision(command, run, tenant_id=tenant_id, decided_at_ms=decided_at_ms, policy=deps.policy)
     except DecisionRefused as refusal:
         _refused(refusal, command, run_id=run.run_id, tenant_id=tenant_id, event_id=event_id, deps=deps)
+        if isinstance(refusal, DecisionAfterExpiry):
+            _record_refusal(refusal, command, run, decided_at_ms=decided_at_ms, event_id=event_id, ctx=ctx, deps=deps)
         return
     record_decided(run, decided)
     _emit_decision(decided, run, ctx, deps, cause=event_id)
@@ -276,7 +312,8 @@ def on_run_ended(event: AvroRecord, msg: Inbound, ctx: Context, *, deps: Deps) -
 
 
 def on_decide_approval(command: DecideApproval, msg: Inbound, ctx: Context, *, deps: Deps) -> None:
-    """An approver's decision: valid → ApprovalDecided to intake; refused → logged and counted only."""
+    """An approver's decision: valid → ApprovalDecided to intake; refused → logged and counted (and,
+    read after its approval expired, ApprovalDecisionRefused to intake)."""
     run_id, tenant_id, event_id = msg.envelope.run_id, msg.envelope.tenant_id, msg.envelope.event_id
     decided_at_ms = msg.envelope.recorded_at_ms  # when the approver decided, as run-api recorded it
     run = _load(ctx, run_id)

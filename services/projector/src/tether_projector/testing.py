@@ -11,6 +11,7 @@ from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
     AgentSpec,
     ApprovalDecided,
+    ApprovalDecisionRefused,
     ApprovalOutcome,
     ApprovalRequested,
     Caps,
@@ -216,6 +217,18 @@ class RunLog:
             "ApprovalDecided", approval_id, producer="approval",
         )
 
+    def approval_decision_refused(self, n: int, i: int, *, approver: str = "bob", approve: bool = True,
+                                  approval_id: str | None = None) -> Envelope:
+        """A decision recorded in time that the approval service read after the approval had expired."""
+        approval_id = approval_id or f"apr-{self.run_id}-{n}.{i}"
+        return self.append(
+            ApprovalDecisionRefused(approval_id=approval_id, call_id=f"{n}.{i}", approver_id=approver,
+                                    approve=approve, comment="looks fine", reason="DECISION_AFTER_EXPIRY",
+                                    detail="read after the approval had expired", decided_at_ms=self.now_ms - 5_000,
+                                    expires_at_ms=self.now_ms - 1_000),
+            "ApprovalDecisionRefused", approval_id, approver, producer="approval",
+        )
+
 
 # -- scenarios ---------------------------------------------------------------------------------
 def happy_run(run_id: str, tenant_id: str = "tenant-a") -> RunLog:
@@ -271,6 +284,24 @@ def cancelled_while_waiting(run_id: str, tenant_id: str = "tenant-a") -> RunLog:
     log.budgeted(1, 0)
     log.approval_requested(1, 0)
     log.terminated("CANCELLED", steps_done=1, pending=[f"approval apr-{run_id}-1.0"])
+    return log
+
+
+def expired_with_a_late_decision(run_id: str, tenant_id: str = "tenant-a") -> RunLog:
+    """An approval expires; the approver's decision, made in time, is read only after it (refused); the run goes on."""
+    log = RunLog(run_id, tenant_id)
+    log.accepted()
+    log.step(1)
+    log.model(1, 1)
+    log.request(1, 0, "send_mail")
+    log.budgeted(1, 0)
+    log.approval_requested(1, 0)
+    log.approval_decided(1, 0, ApprovalOutcome.EXPIRED)
+    log.tool_denied(1, 0, "send_mail", "APPROVAL_EXPIRED")
+    log.step(2)
+    log.approval_decision_refused(1, 0)
+    log.model(2, 0)
+    log.completed(2, "sent nothing", Usage(input_tokens=200, output_tokens=20, cost_usd_micros=100))
     return log
 
 

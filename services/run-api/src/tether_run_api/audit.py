@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tether_approval.domain.decisions import SYSTEM_APPROVER, ApprovalPolicy
+from tether_approval.domain.errors import DecisionAfterExpiry
 from tether_budget.domain.decisions import AdmissionPolicy, Decide, Plan, Retention, admit, cancel, fold, tick
 from tether_budget.domain.errors import ProtocolViolation
 from tether_budget.domain.ledger import Ledger, Reason, RunStatus
@@ -37,6 +38,7 @@ from tether_budget.domain.loopguard import (
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
     ApprovalDecided,
+    ApprovalDecisionRefused,
     ApprovalOutcome,
     ApprovalRequested,
     CancelRun,
@@ -477,15 +479,20 @@ def _reason_of(payload: AvroRecord) -> str:
     return ""
 
 
+DECISION_AFTER_EXPIRY = DecisionAfterExpiry.reason
+
 # -- approvals ---------------------------------------------------------------------------------------
 
 
 def check_approvals(run_id: str, events: list[Event], policy: ApprovalPolicy) -> list[Finding]:
     """Each ApprovalDecided must decide a pending ApprovalRequested of the run with its args hash, in
-    time (or EXPIRED by the system after its expiry), and not be an approval by the run's submitter."""
+    time (or EXPIRED by the system after its expiry), and not be an approval by the run's submitter.
+    Each ApprovalDecisionRefused must follow the EXPIRED decision of its approval, for a decision
+    recorded by the expiry (the approval service's DECISION_AFTER_EXPIRY)."""
     findings: list[Finding] = []
     requested: dict[str, ApprovalRequested] = {}
     decided: set[str] = set()
+    expired_at: dict[str, bool] = {}  # approval id → its decision on the log was EXPIRED
     submitter: str | None = None
     for env, payload in events:
         if isinstance(payload, RunAccepted):
@@ -519,6 +526,25 @@ def check_approvals(run_id: str, events: list[Event], policy: ApprovalPolicy) ->
                 if (payload.outcome is ApprovalOutcome.APPROVED and policy.forbid_self_approval
                         and payload.approver_id == submitter):
                     bad(f"approved by {payload.approver_id}, who submitted the run")
+            expired_at[payload.approval_id] = payload.outcome is ApprovalOutcome.EXPIRED
+        elif isinstance(payload, ApprovalDecisionRefused):
+            def refused(problem: str, env: Envelope = env, r: ApprovalDecisionRefused = payload) -> None:
+                findings.append(Finding("approval", run_id, env.seq, env.event_type, f"{r.approval_id}: {problem}"))
+
+            # The one refusal on the log: a decision recorded in time, read after the expiry decided.
+            req = requested.get(payload.approval_id)
+            if req is None:
+                refused("refuses a decision on an approval that was never requested")
+                continue
+            if payload.call_id != req.call_id:
+                refused(f"refused a decision on call {payload.call_id}; the request is for call {req.call_id}")
+            if not expired_at.get(payload.approval_id, False):
+                refused("refused as read after the expiry, but the approval had not EXPIRED before it")
+            if payload.reason != DECISION_AFTER_EXPIRY:
+                refused(f"refused for {payload.reason!r}; only {DECISION_AFTER_EXPIRY} is recorded on the log")
+            if payload.decided_at_ms > req.expires_at_ms or payload.expires_at_ms != req.expires_at_ms:
+                refused(f"decided at {payload.decided_at_ms} against an expiry of {payload.expires_at_ms}; the request "
+                        f"expires at {req.expires_at_ms}: not a decision recorded in time")
     return findings
 
 

@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tether_api.v1 import types_pb2 as tether_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n tether/v1/approval_service.proto\x12\ttether.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15tether/v1/types.proto\"\xbf\x03\n\x08\x41pproval\x12\x13\n\x0b\x61pproval_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63\x61ll_id\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x05\x12\x11\n\ttool_name\x18\x05 \x01(\t\x12\x11\n\targs_json\x18\x06 \x01(\t\x12\x11\n\targs_hash\x18\x07 \x01(\t\x12(\n\nrisk_class\x18\x08 \x01(\x0e\x32\x14.tether.v1.RiskClass\x12\x0f\n\x07reasons\x18\t \x03(\t\x12\x17\n\x0fprovenance_json\x18\n \x01(\t\x12)\n\x06status\x18\x0b \x01(\x0e\x32\x19.tether.v1.ApprovalStatus\x12\x30\n\x0crequest_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65xpire_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ndecided_by\x18\x0e \x01(\t\x12/\n\x0b\x64\x65\x63ide_time\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x63omment\x18\x10 \x01(\t\"x\n\x14ListApprovalsRequest\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.tether.v1.ApprovalStatus\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"X\n\x15ListApprovalsResponse\x12&\n\tapprovals\x18\x01 \x03(\x0b\x32\x13.tether.v1.Approval\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"/\n\x12GetApprovalRequest\x12\x19\n\x0b\x61pproval_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"<\n\x13GetApprovalResponse\x12%\n\x08\x61pproval\x18\x01 \x01(\x0b\x32\x13.tether.v1.Approval\"m\n\x15\x44\x65\x63ideApprovalRequest\x12\x19\n\x0b\x61pproval_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x17\n\targs_hash\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x0f\n\x07\x61pprove\x18\x03 \x01(\x08\x12\x0f\n\x07\x63omment\x18\x04 \x01(\t\"?\n\x16\x44\x65\x63ideApprovalResponse\x12%\n\x08\x61pproval\x18\x01 \x01(\x0b\x32\x13.tether.v1.Approval*\xc6\x01\n\x0e\x41pprovalStatus\x12\x1f\n\x1b\x41PPROVAL_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41PPROVAL_STATUS_PENDING\x10\x01\x12\x1c\n\x18\x41PPROVAL_STATUS_APPROVED\x10\x02\x12\x1c\n\x18\x41PPROVAL_STATUS_REJECTED\x10\x03\x12\x1b\n\x17\x41PPROVAL_STATUS_EXPIRED\x10\x04\x12\x1d\n\x19\x41PPROVAL_STATUS_WITHDRAWN\x10\x05\x32\x8a\x02\n\x0f\x41pprovalService\x12R\n\rListApprovals\x12\x1f.tether.v1.ListApprovalsRequest\x1a .tether.v1.ListApprovalsResponse\x12L\n\x0bGetApproval\x12\x1d.tether.v1.GetApprovalRequest\x1a\x1e.tether.v1.GetApprovalResponse\x12U\n\x0e\x44\x65\x63ideApproval\x12 .tether.v1.DecideApprovalRequest\x1a!.tether.v1.DecideApprovalResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n tether/v1/approval_service.proto\x12\ttether.v1\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x15tether/v1/types.proto\"\xf5\x03\n\x08\x41pproval\x12\x13\n\x0b\x61pproval_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63\x61ll_id\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x05\x12\x11\n\ttool_name\x18\x05 \x01(\t\x12\x11\n\targs_json\x18\x06 \x01(\t\x12\x11\n\targs_hash\x18\x07 \x01(\t\x12(\n\nrisk_class\x18\x08 \x01(\x0e\x32\x14.tether.v1.RiskClass\x12\x0f\n\x07reasons\x18\t \x03(\t\x12\x17\n\x0fprovenance_json\x18\n \x01(\t\x12)\n\x06status\x18\x0b \x01(\x0e\x32\x19.tether.v1.ApprovalStatus\x12\x30\n\x0crequest_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65xpire_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ndecided_by\x18\x0e \x01(\t\x12/\n\x0b\x64\x65\x63ide_time\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x63omment\x18\x10 \x01(\t\x12\x34\n\x10refused_decision\x18\x11 \x01(\x0b\x32\x1a.tether.v1.RefusedDecision\"\x89\x01\n\x0fRefusedDecision\x12\x13\n\x0b\x61pprover_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61pprove\x18\x02 \x01(\x08\x12\x0f\n\x07\x63omment\x18\x03 \x01(\t\x12/\n\x0b\x64\x65\x63ide_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06reason\x18\x05 \x01(\t\"x\n\x14ListApprovalsRequest\x12)\n\x06status\x18\x01 \x01(\x0e\x32\x19.tether.v1.ApprovalStatus\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"X\n\x15ListApprovalsResponse\x12&\n\tapprovals\x18\x01 \x03(\x0b\x32\x13.tether.v1.Approval\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"/\n\x12GetApprovalRequest\x12\x19\n\x0b\x61pproval_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"<\n\x13GetApprovalResponse\x12%\n\x08\x61pproval\x18\x01 \x01(\x0b\x32\x13.tether.v1.Approval\"m\n\x15\x44\x65\x63ideApprovalRequest\x12\x19\n\x0b\x61pproval_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x17\n\targs_hash\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x0f\n\x07\x61pprove\x18\x03 \x01(\x08\x12\x0f\n\x07\x63omment\x18\x04 \x01(\t\"?\n\x16\x44\x65\x63ideApprovalResponse\x12%\n\x08\x61pproval\x18\x01 \x01(\x0b\x32\x13.tether.v1.Approval*\xc6\x01\n\x0e\x41pprovalStatus\x12\x1f\n\x1b\x41PPROVAL_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41PPROVAL_STATUS_PENDING\x10\x01\x12\x1c\n\x18\x41PPROVAL_STATUS_APPROVED\x10\x02\x12\x1c\n\x18\x41PPROVAL_STATUS_REJECTED\x10\x03\x12\x1b\n\x17\x41PPROVAL_STATUS_EXPIRED\x10\x04\x12\x1d\n\x19\x41PPROVAL_STATUS_WITHDRAWN\x10\x05\x32\x8a\x02\n\x0f\x41pprovalService\x12R\n\rListApprovals\x12\x1f.tether.v1.ListApprovalsRequest\x1a .tether.v1.ListApprovalsResponse\x12L\n\x0bGetApproval\x12\x1d.tether.v1.GetApprovalRequest\x1a\x1e.tether.v1.GetApprovalResponse\x12U\n\x0e\x44\x65\x63ideApproval\x12 .tether.v1.DecideApprovalRequest\x1a!.tether.v1.DecideApprovalResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,22 +40,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECIDEAPPROVALREQUEST'].fields_by_name['approval_id']._serialized_options = b'\342A\001\002'
   _globals['_DECIDEAPPROVALREQUEST'].fields_by_name['args_hash']._loaded_options = None
   _globals['_DECIDEAPPROVALREQUEST'].fields_by_name['args_hash']._serialized_options = b'\342A\001\002'
-  _globals['_APPROVALSTATUS']._serialized_start=1086
-  _globals['_APPROVALSTATUS']._serialized_end=1284
+  _globals['_APPROVALSTATUS']._serialized_start=1280
+  _globals['_APPROVALSTATUS']._serialized_end=1478
   _globals['_APPROVAL']._serialized_start=137
-  _globals['_APPROVAL']._serialized_end=584
-  _globals['_LISTAPPROVALSREQUEST']._serialized_start=586
-  _globals['_LISTAPPROVALSREQUEST']._serialized_end=706
-  _globals['_LISTAPPROVALSRESPONSE']._serialized_start=708
-  _globals['_LISTAPPROVALSRESPONSE']._serialized_end=796
-  _globals['_GETAPPROVALREQUEST']._serialized_start=798
-  _globals['_GETAPPROVALREQUEST']._serialized_end=845
-  _globals['_GETAPPROVALRESPONSE']._serialized_start=847
-  _globals['_GETAPPROVALRESPONSE']._serialized_end=907
-  _globals['_DECIDEAPPROVALREQUEST']._serialized_start=909
-  _globals['_DECIDEAPPROVALREQUEST']._serialized_end=1018
-  _globals['_DECIDEAPPROVALRESPONSE']._serialized_start=1020
-  _globals['_DECIDEAPPROVALRESPONSE']._serialized_end=1083
-  _globals['_APPROVALSERVICE']._serialized_start=1287
-  _globals['_APPROVALSERVICE']._serialized_end=1553
+  _globals['_APPROVAL']._serialized_end=638
+  _globals['_REFUSEDDECISION']._serialized_start=641
+  _globals['_REFUSEDDECISION']._serialized_end=778
+  _globals['_LISTAPPROVALSREQUEST']._serialized_start=780
+  _globals['_LISTAPPROVALSREQUEST']._serialized_end=900
+  _globals['_LISTAPPROVALSRESPONSE']._serialized_start=902
+  _globals['_LISTAPPROVALSRESPONSE']._serialized_end=990
+  _globals['_GETAPPROVALREQUEST']._serialized_start=992
+  _globals['_GETAPPROVALREQUEST']._serialized_end=1039
+  _globals['_GETAPPROVALRESPONSE']._serialized_start=1041
+  _globals['_GETAPPROVALRESPONSE']._serialized_end=1101
+  _globals['_DECIDEAPPROVALREQUEST']._serialized_start=1103
+  _globals['_DECIDEAPPROVALREQUEST']._serialized_end=1212
+  _globals['_DECIDEAPPROVALRESPONSE']._serialized_start=1214
+  _globals['_DECIDEAPPROVALRESPONSE']._serialized_end=1277
+  _globals['_APPROVALSERVICE']._serialized_start=1481
+  _globals['_APPROVALSERVICE']._serialized_end=1747
 # @@protoc_insertion_point(module_scope)

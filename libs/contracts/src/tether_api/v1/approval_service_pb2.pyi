@@ -28,7 +28,7 @@ APPROVAL_STATUS_EXPIRED: ApprovalStatus
 APPROVAL_STATUS_WITHDRAWN: ApprovalStatus
 
 class Approval(_message.Message):
-    __slots__ = ("approval_id", "run_id", "call_id", "step", "tool_name", "args_json", "args_hash", "risk_class", "reasons", "provenance_json", "status", "request_time", "expire_time", "decided_by", "decide_time", "comment")
+    __slots__ = ("approval_id", "run_id", "call_id", "step", "tool_name", "args_json", "args_hash", "risk_class", "reasons", "provenance_json", "status", "request_time", "expire_time", "decided_by", "decide_time", "comment", "refused_decision")
     APPROVAL_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class Approval(_message.Message):
     DECIDED_BY_FIELD_NUMBER: _ClassVar[int]
     DECIDE_TIME_FIELD_NUMBER: _ClassVar[int]
     COMMENT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_DECISION_FIELD_NUMBER: _ClassVar[int]
     approval_id: str
     run_id: str
     call_id: str
@@ -61,7 +62,22 @@ class Approval(_message.Message):
     decided_by: str
     decide_time: _timestamp_pb2.Timestamp
     comment: str
-    def __init__(self, approval_id: _Optional[str] = ..., run_id: _Optional[str] = ..., call_id: _Optional[str] = ..., step: _Optional[int] = ..., tool_name: _Optional[str] = ..., args_json: _Optional[str] = ..., args_hash: _Optional[str] = ..., risk_class: _Optional[_Union[_types_pb2.RiskClass, str]] = ..., reasons: _Optional[_Iterable[str]] = ..., provenance_json: _Optional[str] = ..., status: _Optional[_Union[ApprovalStatus, str]] = ..., request_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., decided_by: _Optional[str] = ..., decide_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., comment: _Optional[str] = ...) -> None: ...
+    refused_decision: RefusedDecision
+    def __init__(self, approval_id: _Optional[str] = ..., run_id: _Optional[str] = ..., call_id: _Optional[str] = ..., step: _Optional[int] = ..., tool_name: _Optional[str] = ..., args_json: _Optional[str] = ..., args_hash: _Optional[str] = ..., risk_class: _Optional[_Union[_types_pb2.RiskClass, str]] = ..., reasons: _Optional[_Iterable[str]] = ..., provenance_json: _Optional[str] = ..., status: _Optional[_Union[ApprovalStatus, str]] = ..., request_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., decided_by: _Optional[str] = ..., decide_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., comment: _Optional[str] = ..., refused_decision: _Optional[_Union[RefusedDecision, _Mapping]] = ...) -> None: ...
+
+class RefusedDecision(_message.Message):
+    __slots__ = ("approver_id", "approve", "comment", "decide_time", "reason")
+    APPROVER_ID_FIELD_NUMBER: _ClassVar[int]
+    APPROVE_FIELD_NUMBER: _ClassVar[int]
+    COMMENT_FIELD_NUMBER: _ClassVar[int]
+    DECIDE_TIME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    approver_id: str
+    approve: bool
+    comment: str
+    decide_time: _timestamp_pb2.Timestamp
+    reason: str
+    def __init__(self, approver_id: _Optional[str] = ..., approve: _Optional[bool] = ..., comment: _Optional[str] = ..., decide_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ListApprovalsRequest(_message.Message):
     __slots__ = ("status", "run_id", "page_size", "page_token")

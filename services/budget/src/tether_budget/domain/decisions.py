@@ -42,6 +42,7 @@ from tether_budget.domain.tenancy import TenantLedger, no_limits
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
     ApprovalDecided,
+    ApprovalDecisionRefused,
     ApprovalOutcome,
     ApprovalRequested,
     CancelRun,
@@ -681,6 +682,23 @@ def _approval_decided(
     return plan.extend(_terminate(ledger, Reason.OUTCOME_UNKNOWN, detail, now_ms))
 
 
+def _approval_decision_refused(
+    ledger: Ledger, ev: ApprovalDecisionRefused, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None
+) -> Plan:
+    """A human's decision the approval service refused because the approval had already expired.
+    A record of what did not happen: it changes nothing, so it is appended whatever the run's state
+    and step (by the time it is read the expiry has usually ended the step, often the run), as long
+    as the ledger still knows the call (not once the ended run is a tombstone)."""
+    if ledger.tombstoned:
+        return Plan(dropped="RUN_ENDED")  # it no longer remembers the event ids it appended
+    call = ledger.calls.get(ev.call_id)
+    if call is None:
+        raise ProtocolViolation("UNKNOWN_CALL", f"call {ev.call_id} was never requested")
+    if call.approval_id != ev.approval_id:
+        raise ProtocolViolation("APPROVAL_MISMATCH", f"call {call.call_id} has approval {call.approval_id}")
+    return Plan([APPEND])
+
+
 def _run_completed(
     ledger: Ledger, ev: RunCompleted, guard: LoopGuard, now_ms: int, tenant: TenantLedger | None
 ) -> Plan:
@@ -703,6 +721,7 @@ _ACTIVE: dict[type[AvroRecord], Callable[[Ledger, Any, LoopGuard, int, TenantLed
     ToolCallAuthorized: _tool_call_authorized,
     ApprovalRequested: _approval_requested,
     ApprovalDecided: _approval_decided,
+    ApprovalDecisionRefused: _approval_decision_refused,
     RunCompleted: _run_completed,
 }
 
@@ -769,6 +788,8 @@ def fold(ledger: Ledger, record: AvroRecord, *, event_id: str, tenant_id: str, g
         raise ProtocolViolation("UNEXPECTED_RECORD", f"{record.AVRO_NAME} is not an intake record")
     if event_id in ledger.seen_event_ids:
         return Plan(dropped="DUPLICATE_EVENT")
+    if isinstance(record, ApprovalDecisionRefused):
+        return handler(ledger, record, guard, now_ms, tenant)  # neither the run's end nor its step matters
     if ledger.queued:
         raise ProtocolViolation("RUN_QUEUED", f"run {ledger.run_id} waits in its tenant's queue; nothing was granted")
     if not ledger.active:

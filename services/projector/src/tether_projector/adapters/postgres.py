@@ -160,8 +160,11 @@ CREATE TABLE IF NOT EXISTS {s}.approvals (
     decided_by        text,
     decided_at_ms     bigint,
     comment           text,
-    withdrawn_at_ms   bigint
+    withdrawn_at_ms   bigint,
+    refused_decision  jsonb
 );
+-- Added after the first release: a table created before it gains the column here.
+ALTER TABLE {s}.approvals ADD COLUMN IF NOT EXISTS refused_decision jsonb;
 CREATE INDEX IF NOT EXISTS approvals_tenant_status ON {s}.approvals (tenant_id, status, requested_at_ms, approval_id);
 CREATE INDEX IF NOT EXISTS approvals_run ON {s}.approvals (run_id);
 """

@@ -15,6 +15,7 @@ from typing import Any
 from tether_contracts.base import AvroRecord
 from tether_contracts.records import (
     ApprovalDecided,
+    ApprovalDecisionRefused,
     ApprovalOutcome,
     ApprovalRequested,
     Envelope,
@@ -606,6 +607,30 @@ def on_approval_decided(p: ApprovalDecided, env: Envelope, fold: RunFold) -> lis
     return writes
 
 
+def on_approval_decision_refused(p: ApprovalDecisionRefused, env: Envelope, fold: RunFold) -> list[Upsert]:
+    """A human's decision read after the approval had expired: the approval stays EXPIRED, and its
+    row shows the latest such decision (the run's events keep every one)."""
+    return [
+        Upsert(
+            "approvals",
+            (p.approval_id,),
+            {
+                "tenant_id": fold.tenant_id,
+                "run_id": fold.run_id,
+                "call_id": p.call_id,
+                "refused_decision": Json({
+                    "approver_id": p.approver_id,
+                    "approve": p.approve,
+                    "comment": p.comment,
+                    "decided_at_ms": p.decided_at_ms,
+                    "reason": p.reason,
+                    "seq": env.seq,
+                }),
+            },
+        )
+    ]
+
+
 Handler = Callable[[Any, Envelope, RunFold], list[Upsert]]
 
 HANDLERS: dict[type[AvroRecord], Handler] = {
@@ -626,4 +651,5 @@ HANDLERS: dict[type[AvroRecord], Handler] = {
     ToolCallOutcomeUnknown: on_tool_call_outcome_unknown,
     ApprovalRequested: on_approval_requested,
     ApprovalDecided: on_approval_decided,
+    ApprovalDecisionRefused: on_approval_decision_refused,
 }

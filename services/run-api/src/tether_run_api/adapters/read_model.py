@@ -15,7 +15,15 @@ from psycopg_pool import ConnectionPool
 from tether_contracts.records import TerminationReport, Usage
 from tether_run_api.adapters.postgres import unavailable_as_error
 from tether_run_api.domain.errors import BackendUnavailable
-from tether_run_api.domain.views import ApprovalView, EventView, RunStatus, RunView, StepView, ToolCallView
+from tether_run_api.domain.views import (
+    ApprovalView,
+    EventView,
+    RefusedDecisionView,
+    RunStatus,
+    RunView,
+    StepView,
+    ToolCallView,
+)
 
 
 def _usage(row: dict[str, Any], prefix: str = "") -> Usage:
@@ -118,6 +126,19 @@ def _approval(row: dict[str, Any]) -> ApprovalView:
         decided_by=row.get("decided_by") or "",
         decided_at_ms=row.get("decided_at_ms"),
         comment=row.get("comment") or "",
+        refused_decision=_refused_decision(row.get("refused_decision")),
+    )
+
+
+def _refused_decision(value: Any) -> RefusedDecisionView | None:
+    if not isinstance(value, dict):
+        return None
+    return RefusedDecisionView(
+        approver_id=str(value.get("approver_id") or ""),
+        approve=bool(value.get("approve")),
+        comment=str(value.get("comment") or ""),
+        decided_at_ms=int(value.get("decided_at_ms") or 0),
+        reason=str(value.get("reason") or ""),
     )
 
 

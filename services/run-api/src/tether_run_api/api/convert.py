@@ -294,4 +294,11 @@ def approval_pb(a: ApprovalView, now_ms: int) -> approvals_pb.Approval:
         decided_by=a.decided_by,
         decide_time=ts(a.decided_at_ms),
         comment=a.comment,
+        refused_decision=None if a.refused_decision is None else approvals_pb.RefusedDecision(
+            approver_id=a.refused_decision.approver_id,
+            approve=a.refused_decision.approve,
+            comment=a.refused_decision.comment,
+            decide_time=ts(a.refused_decision.decided_at_ms),
+            reason=a.refused_decision.reason,
+        ),
     )

@@ -98,6 +98,17 @@ class EventView:
 
 
 @dataclass(frozen=True)
+class RefusedDecisionView:
+    """A human decision recorded in time that reached the approval service after the expiry had decided."""
+
+    approver_id: str
+    approve: bool
+    comment: str
+    decided_at_ms: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class ApprovalView:
     """A tool call waiting for (or having had) a human decision."""
 
@@ -117,6 +128,7 @@ class ApprovalView:
     decided_by: str = ""
     decided_at_ms: int | None = None
     comment: str = ""
+    refused_decision: RefusedDecisionView | None = None
 
     def effective_status(self, now_ms: int) -> str:
         """PENDING past its expiry is EXPIRED, even before the approval service has recorded it.
