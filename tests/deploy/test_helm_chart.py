@@ -446,6 +446,41 @@ def test_a_cap_ceiling_in_one_services_env_is_refused():
         _render({"capCeilings": {"maxSteps": 0}})
 
 
+def test_the_approval_expiry_grace_must_outlast_run_apis_delivery_timeout():
+    # A decision run-api took by the expiry reaches the commands topic within its delivery timeout; the
+    # approval service waits the grace past the expiry for it. A grace at or below that timeout lets a
+    # decision run-api answered APPROVED be read after EXPIRED decided (DECISION_AFTER_EXPIRY).
+    from tether_approval.settings import ApprovalSettings
+    from tether_run_api.settings import RunApiSettings
+
+    grace, delivery = ApprovalSettings().expiry_grace_ms, RunApiSettings().delivery_timeout_ms
+    assert grace > delivery  # the services' defaults agree
+
+    def env(name: str, value: int | None = None, secret: bool = False) -> list[dict]:
+        if secret:
+            return [{"name": name, "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
+        return [{"name": name, "value": str(value)}]
+
+    def values(grace_env: list[dict] | None = None, delivery_env: list[dict] | None = None) -> dict:
+        services = {}
+        if grace_env is not None:
+            services["approval"] = {"env": grace_env}
+        if delivery_env is not None:
+            services["run-api"] = {"env": delivery_env}
+        return {"services": services}
+
+    _render(values(env("TETHER_APPROVAL_EXPIRY_GRACE_MS", delivery + 1)))
+    _render(values(delivery_env=env("TETHER_RUN_API_DELIVERY_TIMEOUT_MS", grace - 1)))
+    _render(values(env("TETHER_APPROVAL_EXPIRY_GRACE_MS", 5_000), env("TETHER_RUN_API_DELIVERY_TIMEOUT_MS", 4_000)))
+    for bad in (values(env("TETHER_APPROVAL_EXPIRY_GRACE_MS", delivery)),
+                values(delivery_env=env("TETHER_RUN_API_DELIVERY_TIMEOUT_MS", grace)),
+                values(env("TETHER_APPROVAL_EXPIRY_GRACE_MS", 5_000), env("TETHER_RUN_API_DELIVERY_TIMEOUT_MS", 60_000))):
+        with pytest.raises(Exception, match="TETHER_APPROVAL_EXPIRY_GRACE_MS"):
+            _render(bad)
+    # A value from a Secret is not known when rendering: the chart checks the default in its place.
+    _render(values(env("TETHER_APPROVAL_EXPIRY_GRACE_MS", secret=True)))
+
+
 def test_a_blocked_partition_and_a_restarting_pod_are_alerted():
     docs = _render({"monitoring": {"rules": {"enabled": True}}})
     rule = next(d for d in docs if d["kind"] == "PrometheusRule")
