@@ -54,6 +54,16 @@ def short_ttl_system(kafka_bootstrap, pg_dsn, redis_url, tmp_path_factory) -> It
         system.drop_data()
 
 
+def assert_audit_verifies(system: TetherSystem, run_id: str) -> None:
+    """`tether audit verify` re-derives the run's decisions under the same policy document and finds nothing."""
+    policy = system.workdir / "policy.json"
+    policy.write_text(json.dumps(POLICY))
+    result = CliRunner().invoke(cli.app, ["audit", "verify", "--bootstrap", system.config.kafka_bootstrap,
+                                          "--topic-prefix", system.names.topic_prefix, "--run", run_id,
+                                          "--policy-file", str(policy)])
+    assert result.exit_code == 0, result.output
+
+
 def _wait_for_end(system: TetherSystem, run_id: str, timeout_s: float = 120.0) -> runs_pb.Run:
     deadline = time.monotonic() + timeout_s
     while (run := system.client.get_run(run_id)).status not in TERMINAL:
@@ -83,12 +93,7 @@ def test_an_approval_nobody_decides_expires_and_the_model_is_told(short_ttl_syst
     assert [m for m in system.sink_records("smtp") if m.get("subject") == f"apr {run_id}"] == []
 
     # The audit re-derives the expiry (and the approval request) under the same policy document.
-    policy = system.workdir / "policy.json"
-    policy.write_text(json.dumps(POLICY))
-    result = CliRunner().invoke(cli.app, ["audit", "verify", "--bootstrap", system.config.kafka_bootstrap,
-                                          "--topic-prefix", system.names.topic_prefix, "--run", run_id,
-                                          "--policy-file", str(policy)])
-    assert result.exit_code == 0, result.output
+    assert_audit_verifies(system, run_id)
 
 
 def _log(system: TetherSystem, run_id: str) -> list[tuple[int, Envelope]]:
@@ -151,9 +156,4 @@ def test_a_decision_made_in_time_but_read_after_the_expiry_is_on_the_log_and_the
         approver, True, "fine by me", "DECISION_AFTER_EXPIRY")
     assert not by_id[requests[1].approval_id].HasField("refused_decision")
 
-    policy = system.workdir / "policy.json"
-    policy.write_text(json.dumps(POLICY))
-    result = CliRunner().invoke(cli.app, ["audit", "verify", "--bootstrap", system.config.kafka_bootstrap,
-                                          "--topic-prefix", system.names.topic_prefix, "--run", run_id,
-                                          "--policy-file", str(policy)])
-    assert result.exit_code == 0, result.output
+    assert_audit_verifies(system, run_id)

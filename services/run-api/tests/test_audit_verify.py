@@ -262,17 +262,23 @@ def test_a_send_email_executed_without_approval_is_reported():
     assert gateway[0].event_type == ToolCallCompleted.AVRO_NAME
 
 
-def test_an_approval_decision_that_does_not_follow_is_reported():
-    s = Sequencer(_submit())
+def _send_email_awaiting_approval(s: Sequencer, *, expires_at_ms: int) -> tuple[ToolCall, ApprovalRequested]:
+    """Step 1 asks for send_email and the gateway asks a human (apr_1), appended as recorded."""
     s.intake(_model(1, 1), "planner", "m1")
     req, call = _call(1, 0, "send_email", {"to": "x@evil.test", "subject": "s", "body": "b"})
     s.intake(req, "planner", "r1.0")
     requested = ApprovalRequested(approval_id="apr_1", step=1, call_id=call.call_id, idem_key=call.idem_key,
                                   tool_name="send_email", args_json=call.args_json, args_hash=call.args_hash,
                                   reasons=["RISK_CLASS"], risk_class=TOOLS[NAMES.index("send_email")].risk_class,
-                                  expires_at_ms=T0 + 10, policy_version="x", inputs_hash="0" * 64,
+                                  expires_at_ms=expires_at_ms, policy_version="x", inputs_hash="0" * 64,
                                   provenance_json="{}")
     s.raw(requested, "tool-gateway", "a1")
+    return call, requested
+
+
+def test_an_approval_decision_that_does_not_follow_is_reported():
+    s = Sequencer(_submit())
+    call, _ = _send_email_awaiting_approval(s, expires_at_ms=T0 + 10)
     # Approved after its expiry, by the run's own submitter, for other arguments.
     s.raw(ApprovalDecided(approval_id="apr_1", call_id=call.call_id, args_hash="f" * 64,
                           outcome=ApprovalOutcome.APPROVED, approver_id="alice", comment="",
@@ -283,19 +289,6 @@ def test_an_approval_decision_that_does_not_follow_is_reported():
     assert any("the request is for call" in p for p in problems)
 
 
-def _expired_approval(s: Sequencer) -> tuple[ToolCall, ApprovalRequested]:
-    s.intake(_model(1, 1), "planner", "m1")
-    req, call = _call(1, 0, "send_email", {"to": "x@evil.test", "subject": "s", "body": "b"})
-    s.intake(req, "planner", "r1.0")
-    requested = ApprovalRequested(approval_id="apr_1", step=1, call_id=call.call_id, idem_key=call.idem_key,
-                                  tool_name="send_email", args_json=call.args_json, args_hash=call.args_hash,
-                                  reasons=["RISK_CLASS"], risk_class=TOOLS[NAMES.index("send_email")].risk_class,
-                                  expires_at_ms=T0 + 10_000, policy_version="x", inputs_hash="0" * 64,
-                                  provenance_json="{}")
-    s.raw(requested, "tool-gateway", "a1")
-    return call, requested
-
-
 def _refusal(call: ToolCall, *, decided_at_ms: int, expires_at_ms: int, reason: str = "DECISION_AFTER_EXPIRY",
              ) -> ApprovalDecisionRefused:
     return ApprovalDecisionRefused(approval_id="apr_1", call_id=call.call_id, approver_id="bob", approve=True,
@@ -304,7 +297,7 @@ def _refusal(call: ToolCall, *, decided_at_ms: int, expires_at_ms: int, reason: 
 
 def test_a_decision_refused_after_its_approval_expired_follows_and_one_that_does_not_is_reported():
     s = Sequencer(_submit())
-    call, requested = _expired_approval(s)
+    call, requested = _send_email_awaiting_approval(s, expires_at_ms=T0 + 10_000)
     expired = ApprovalDecided(approval_id="apr_1", call_id=call.call_id, args_hash=call.args_hash,
                               outcome=ApprovalOutcome.EXPIRED, approver_id="system", decided_at_ms=T0 + 40_001)
     # Refused before any EXPIRED is on the log: the approval service refuses only after the expiry decided.
