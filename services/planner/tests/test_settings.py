@@ -79,3 +79,21 @@ def test_the_provider_keys_are_registered_with_the_log_redactor(monkeypatch: pyt
     deps = build_deps(PlannerSettings(), registry=CollectorRegistry())
     deps.providers.close()
     assert key not in log_redactor().redact(f"provider said: bad key {key}")
+
+
+def test_the_formats_checked_before_a_call_follow_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tether_security.argument_schema import ASSERTABLE_FORMATS
+
+    # By default every format (as the gateway's default policy asserts: tests/test_planner_formats_agree.py).
+    assert set(PlannerSettings().assert_formats) == ASSERTABLE_FORMATS
+    monkeypatch.setenv("TETHER_PLANNER_ASSERT_FORMATS", '["uri", "date", "uri"]')
+    settings = PlannerSettings()
+    assert settings.assert_formats == ["date", "uri"]
+    deps = build_deps(settings, registry=CollectorRegistry())
+    try:
+        assert deps.step_config.assert_formats == frozenset({"date", "uri"})
+    finally:
+        deps.providers.close()
+    monkeypatch.setenv("TETHER_PLANNER_ASSERT_FORMATS", '["phone"]')  # not one the gateway can assert
+    with pytest.raises(ValueError, match="phone"):
+        PlannerSettings()

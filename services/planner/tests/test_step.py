@@ -198,3 +198,26 @@ def test_an_unexpected_errors_text_is_not_cut_inside_a_secret_before_it_is_scrub
     # The cut itself drops the word it falls in.
     assert cut_whole("aaa bbb " + key, 12) == "aaa bbb …"
     assert cut_whole("short", 12) == "short"
+
+
+def test_the_formats_checked_before_a_call_is_proposed_are_the_configured_ones() -> None:
+    # The gateway asserts the formats its policy lists (arguments.assert_formats); the planner's pre-check
+    # follows its assert_formats setting, so a policy asserting fewer formats is not undercut here by a
+    # planner that refuses calls the gateway would allow (the run then failed MALFORMED_OUTPUT).
+    invite = ToolView(name="invite", args_schema_json=json.dumps(
+        {"type": "object", "properties": {"email": {"type": "string", "format": "email"}}}))
+    inp = StepInput(
+        run_id="run-1", step=1, model=PinnedModel(provider="openai", name="gpt-4o"), system="s",
+        messages=(ChatMessage(role="user", content="invite ana"),), offered=(invite,), tools={"invite": invite},
+        remaining_tokens=1_000_000, compaction_threshold=0.8,
+    )
+    call = RawToolCall("c1", "invite", '{"email": "Ana <ana at example.com>"}')
+
+    def answers() -> ScriptedProvider:
+        return ScriptedProvider(*[("Inviting.", (call,), "tool_calls")] * 3)
+
+    strict = run_step(inp, answers, PricingTable(), StepConfig(malformed_limit=2))
+    assert isinstance(strict, StepFailed) and strict.error_code == "MALFORMED_OUTPUT", strict
+    lenient = run_step(inp, answers, PricingTable(), StepConfig(malformed_limit=2, assert_formats=frozenset({"date"})))
+    assert isinstance(lenient, StepSucceeded), lenient
+    assert [c.args_json for c in lenient.calls] == ['{"email":"Ana <ana at example.com>"}']

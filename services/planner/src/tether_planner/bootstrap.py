@@ -90,6 +90,7 @@ def build_deps(
             max_tool_calls=settings.max_tool_calls,
             max_tool_args_bytes=settings.max_tool_args_bytes,
             max_text_bytes=settings.max_text_bytes,
+            assert_formats=frozenset(settings.assert_formats),
         ),
         limits=Limits(
             assistant_text_max_chars=settings.assistant_text_max_chars,

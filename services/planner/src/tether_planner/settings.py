@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from tether_runtime.settings import LoopServiceSettings
+from tether_security.argument_schema import ASSERTABLE_FORMATS
 
 
 class PlannerSettings(LoopServiceSettings):
@@ -67,6 +68,23 @@ class PlannerSettings(LoopServiceSettings):
         262_144, ge=1024, le=512_000,
         description="Most UTF-8 bytes of a model answer's text; larger is a malformed answer (asked again).",
     )
+    assert_formats: list[str] = Field(
+        default_factory=lambda: sorted(ASSERTABLE_FORMATS),
+        description="The JSON Schema `format`s checked in a tool call's arguments before the call is proposed (a "
+        "failure goes back to the model at once); JSON list, each one the gateway can assert. Keep it to the "
+        "gateway policy's arguments.assert_formats (the default: every one, as default/4 asserts): a format "
+        "checked here but not by the policy refuses calls the gateway would allow; one the policy checks but "
+        "not here costs a step and a denial.",
+    )
+
+    @field_validator("assert_formats")
+    @classmethod
+    def _known_formats(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - ASSERTABLE_FORMATS)
+        if unknown:
+            raise ValueError(f"cannot assert {unknown}; assertable: {sorted(ASSERTABLE_FORMATS)}")
+        return sorted(set(value))
+
     compaction_keep_turns: int = Field(2, ge=1, description="Turns kept verbatim when compacting.")
     summary_max_chars: int = Field(6000, ge=200, description="Cap on the summary that replaces compacted turns.")
     state_max_bytes: int = Field(

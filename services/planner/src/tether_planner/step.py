@@ -44,6 +44,7 @@ from tether_planner.providers.port import (
     ProviderError,
 )
 from tether_planner.statecodec import checkpoint_size
+from tether_security.argument_schema import ASSERTABLE_FORMATS
 
 log = structlog.get_logger("tether_planner.step")
 
@@ -76,6 +77,8 @@ class StepConfig:
     max_tool_calls: int = 64
     max_tool_args_bytes: int = 64 * 1024
     max_text_bytes: int = 256 * 1024
+    #: The `format`s checked in a call's arguments (the gateway policy's arguments.assert_formats).
+    assert_formats: frozenset[str] = ASSERTABLE_FORMATS
 
 
 #: A token count a provider reports above this (for one call) is clamped to it: no model reads or
@@ -546,7 +549,7 @@ def _run_step(
                 for c in calls
             ]
         else:
-            checked = check_calls(calls, inp.tools)
+            checked = check_calls(calls, inp.tools, config.assert_formats)
         valid = [c for c in checked if isinstance(c, ValidCall)]
         if len(valid) == len(checked):
             planned = tuple(

@@ -69,7 +69,7 @@ class CallProblem:
 
 
 @lru_cache(maxsize=256)
-def _validator(schema_json: str) -> Draft202012Validator | None:
+def _validator(schema_json: str, formats: frozenset[str]) -> Draft202012Validator | None:
     """The checked validator of a tool's argument schema (its snapshot's text), or None if unusable.
 
     Cached by the schema's text, as at the gateway: checking a schema against the 2020-12
@@ -86,13 +86,14 @@ def _validator(schema_json: str) -> Draft202012Validator | None:
     except SchemaError:
         return None
     # Never fetches a $ref to another document (a URL an MCP server chose), as at the gateway; asserts
-    # every format the gateway can (its default policy does), so a malformed address or date goes
-    # back to the model at once instead of costing a step and a denial.
-    return argument_validator(schema, ASSERTABLE_FORMATS)
+    # the formats the gateway's policy asserts (the planner's assert_formats setting; by default every
+    # one, as the default policy), so a malformed address or date goes back to the model at once
+    # instead of costing a step and a denial, and no call the gateway would allow is refused here.
+    return argument_validator(schema, formats)
 
 
-def _schema_errors(args: dict[str, Any], schema_json: str) -> list[str]:
-    validator = _validator(schema_json)
+def _schema_errors(args: dict[str, Any], schema_json: str, formats: frozenset[str]) -> list[str]:
+    validator = _validator(schema_json, formats)
     if validator is None:
         # A tool snapshot with an unusable schema cannot be checked here; the gateway refuses it.
         return []
@@ -107,8 +108,10 @@ def _schema_errors(args: dict[str, Any], schema_json: str) -> list[str]:
     return out
 
 
-def check_call(raw: RawToolCall, tools: Mapping[str, ToolView]) -> ValidCall | CallProblem:
-    """One call: a known tool, arguments that parse to a JSON object valid under the tool's schema."""
+def check_call(raw: RawToolCall, tools: Mapping[str, ToolView],
+               formats: frozenset[str] = ASSERTABLE_FORMATS) -> ValidCall | CallProblem:
+    """One call: a known tool, arguments that parse to a JSON object valid under the tool's schema
+    (with `formats` asserted: the gateway policy's arguments.assert_formats)."""
     tool = tools.get(raw.name)
     if tool is None:
         return CallProblem(raw, UNKNOWN_TOOL, f"there is no tool named {raw.name!r}")
@@ -130,16 +133,17 @@ def check_call(raw: RawToolCall, tools: Mapping[str, ToolView]) -> ValidCall | C
         # instead, as at the tool gateway (in canonical JSON it can only stand inside a string).
         args_json = _LONE_SURROGATE.sub("\ufffd", args_json)
         args = json.loads(args_json)
-    errors = _schema_errors(args, tool.args_schema_json)
+    errors = _schema_errors(args, tool.args_schema_json, formats)
     if errors:
         return CallProblem(raw, INVALID_ARGS, "arguments do not match the tool's schema: " + "; ".join(errors))
     return ValidCall(raw, args, args_json)
 
 
-def check_calls(calls: Sequence[RawToolCall], tools: Mapping[str, ToolView]) -> list[ValidCall | CallProblem]:
+def check_calls(calls: Sequence[RawToolCall], tools: Mapping[str, ToolView],
+                formats: frozenset[str] = ASSERTABLE_FORMATS) -> list[ValidCall | CallProblem]:
     """Every call of a response. When any call fails, the valid ones are not executed either
     (reported as NOT_EXECUTED), so a response is executed whole or not at all."""
-    checked = [check_call(c, tools) for c in calls]
+    checked = [check_call(c, tools, formats) for c in calls]
     if all(isinstance(c, ValidCall) for c in checked):
         return checked
     return [
