@@ -294,6 +294,13 @@ class LoopConfig:
     revoke_drain_ms: int = 5_000
     #: First backoff of a retried Kafka request of the transactional producer (see _producer_config).
     retry_backoff_ms: int = 5
+    #: Wait before replaying a batch that aborted again right after an aborted one: doubling
+    #: from this to `abort_backoff_max_ms`, reset by a commit (the first replay is at once). A
+    #: batch that keeps failing (its member fenced or gone from the group, a broker refusing)
+    #: otherwise retried every few milliseconds, each time a transaction and an abort marker on
+    #: every partition it wrote; the consumer is served between tries either way (`_collect`).
+    abort_backoff_ms: int = 10
+    abort_backoff_max_ms: int = 1_000
     #: A batch that changed nothing — its records passed over (event types the processor does
     #: not act on, `event_types`) or handled without emitting, putting state or starting work,
     #: no work delivered — commits nothing: its offsets go with the next commit, or with one at
@@ -666,6 +673,8 @@ class ProcessorLoop:
         self._hard_exit: Callable[[int], None] = os._exit  # tests replace it
         self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
         self._redeliver: list[_Finished] = []
+        #: Batches aborted since the last commit (`abort_backoff_ms`).
+        self._aborts_in_row = 0
         self._buffer: list[Message] = []
         self._next_tick = 0.0
         self._to_restore: set[int] = set()
@@ -1216,6 +1225,8 @@ class ProcessorLoop:
         """
         consumer = self._consumer
         cfg = self.config
+        if self._aborts_in_row > 1:
+            stop.wait(min(cfg.abort_backoff_max_ms, cfg.abort_backoff_ms * 2 ** (self._aborts_in_row - 2)) / 1000)
         while (
             not stop.is_set()
             and not self._buffer
@@ -1236,20 +1247,30 @@ class ProcessorLoop:
             self._check_fatal()
             if msg is not None:
                 self._buffer.append(msg)
-        if self._buffer:
-            deadline = time.monotonic() + cfg.batch_max_ms / 1000
-            while len(self._buffer) < cfg.batch_max_messages and time.monotonic() < deadline:
-                more = consumer.consume(cfg.batch_max_messages - len(self._buffer), timeout=0)
-                if not more:
-                    break
+        # Serve the consumer on every batch, also one that only hands in finished work: its
+        # callbacks (a rebalance, a fatal error such as FENCED_INSTANCE_ID) run only inside
+        # poll/consume. After a broker restart a member's membership can be gone (its session
+        # expired, or it was fenced); until the consumer has served that, every commit fails on
+        # the offsets (UNKNOWN_MEMBER_ID) and the aborted batch's outcomes come straight back
+        # here. Without this a tool-gateway slot aborted 92,000 batches in four minutes in
+        # `make chaos` (test_loop_membership_lost.py).
+        deadline = time.monotonic() + cfg.batch_max_ms / 1000
+        while len(self._buffer) < cfg.batch_max_messages:
+            more = consumer.consume(cfg.batch_max_messages - len(self._buffer), timeout=0)
+            self._check_fatal()
+            if not more or time.monotonic() >= deadline:
                 self._buffer.extend(more)
+                break
+            self._buffer.extend(more)
         batch, self._buffer = self._buffer, []
         good = []
         for m in batch:
             err = m.error()
             if err is None:
                 good.append(m)
-            elif err.fatal():
+            elif err.fatal() or err.code() == KafkaError._FATAL:
+                # A consumer's fatal error (e.g. FENCED_INSTANCE_ID: another member took this
+                # static id) comes as an error event with code _FATAL, its fatal() flag unset.
                 raise FatalLoopError(f"consumer: {err.str()}")
             else:
                 self._log.warning("consume_error", error=err.str())
@@ -1348,6 +1369,7 @@ class ProcessorLoop:
             self._redeliver = [f for f in finished if id(f) not in taken] + self._redeliver
             self._abort(batch, snapshot, exc)
             return
+        self._aborts_in_row = 0
         for origin in batch.poisoned:
             self._poison.pop(origin, None)  # dead-lettered in a committed batch
         if batch.blocked:
@@ -1702,6 +1724,7 @@ class ProcessorLoop:
             raise FatalLoopError(f"at-least-once batch failed: {exc}") from exc
         self._log.warning("batch_aborted", error=str(exc))
         BATCHES.labels(self._name, "aborted").inc()
+        self._aborts_in_row += 1
         if self._txn:
             generation = self._producer_generation
             self._abort_transaction()
