@@ -38,6 +38,15 @@ def _strings_only(check: Callable[[str], bool]) -> Callable[[object], bool]:
     return lambda value: not isinstance(value, str) or check(value)
 
 
+def check_assertable(formats: list[str]) -> list[str]:
+    """`formats` unchanged if each can be asserted (ASSERTABLE_FORMATS), else ValueError naming the
+    others: the check of every setting or document that lists formats to assert."""
+    unknown = sorted(set(formats) - ASSERTABLE_FORMATS)
+    if unknown:
+        raise ValueError(f"cannot assert format(s) {unknown}; assertable: {', '.join(sorted(ASSERTABLE_FORMATS))}")
+    return formats
+
+
 def format_checker(formats: Iterable[str]) -> FormatChecker:
     """A FormatChecker asserting exactly `formats` with this package's own checks (never jsonschema's,
     whose set depends on optional packages); raises ValueError for a format it cannot assert."""

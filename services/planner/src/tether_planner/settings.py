@@ -9,7 +9,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from tether_runtime.settings import LoopServiceSettings
-from tether_security.argument_schema import ASSERTABLE_FORMATS
+from tether_security.argument_schema import ASSERTABLE_FORMATS, check_assertable
 
 
 class PlannerSettings(LoopServiceSettings):
@@ -80,10 +80,7 @@ class PlannerSettings(LoopServiceSettings):
     @field_validator("assert_formats")
     @classmethod
     def _known_formats(cls, value: list[str]) -> list[str]:
-        unknown = sorted(set(value) - ASSERTABLE_FORMATS)
-        if unknown:
-            raise ValueError(f"cannot assert {unknown}; assertable: {sorted(ASSERTABLE_FORMATS)}")
-        return sorted(set(value))
+        return sorted(set(check_assertable(value)))
 
     compaction_keep_turns: int = Field(2, ge=1, description="Turns kept verbatim when compacting.")
     summary_max_chars: int = Field(6000, ge=200, description="Cap on the summary that replaces compacted turns.")

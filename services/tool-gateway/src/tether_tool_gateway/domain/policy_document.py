@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tether_contracts.records import RiskClass
-from tether_security.argument_schema import ASSERTABLE_FORMATS
+from tether_security.argument_schema import check_assertable
 from tether_tool_gateway.domain.canonical import canonical_json, sha256_hex
 
 DAY_MS = 24 * 60 * 60 * 1000
@@ -112,11 +112,7 @@ class ArgumentRules(_Strict):
     @field_validator("assert_formats")
     @classmethod
     def _assertable(cls, v: list[str]) -> list[str]:
-        unknown = sorted(set(v) - ASSERTABLE_FORMATS)
-        if unknown:
-            raise ValueError(f"cannot assert format(s) {unknown}; the gateway asserts "
-                             f"{', '.join(sorted(ASSERTABLE_FORMATS))}")
-        return v
+        return check_assertable(v)
 
 
 class PolicyDocument(_Strict):
