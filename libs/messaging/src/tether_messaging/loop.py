@@ -1258,10 +1258,9 @@ class ProcessorLoop:
         while len(self._buffer) < cfg.batch_max_messages:
             more = consumer.consume(cfg.batch_max_messages - len(self._buffer), timeout=0)
             self._check_fatal()
-            if not more or time.monotonic() >= deadline:
-                self._buffer.extend(more)
-                break
             self._buffer.extend(more)
+            if not more or time.monotonic() >= deadline:
+                break
         batch, self._buffer = self._buffer, []
         good = []
         for m in batch:

@@ -492,7 +492,7 @@ def check_approvals(run_id: str, events: list[Event], policy: ApprovalPolicy) ->
     findings: list[Finding] = []
     requested: dict[str, ApprovalRequested] = {}
     decided: set[str] = set()
-    expired_at: dict[str, bool] = {}  # approval id → its decision on the log was EXPIRED
+    expired: set[str] = set()  # approvals whose decision on the log is EXPIRED
     submitter: str | None = None
     for env, payload in events:
         if isinstance(payload, RunAccepted):
@@ -526,7 +526,8 @@ def check_approvals(run_id: str, events: list[Event], policy: ApprovalPolicy) ->
                 if (payload.outcome is ApprovalOutcome.APPROVED and policy.forbid_self_approval
                         and payload.approver_id == submitter):
                     bad(f"approved by {payload.approver_id}, who submitted the run")
-            expired_at[payload.approval_id] = payload.outcome is ApprovalOutcome.EXPIRED
+            if payload.outcome is ApprovalOutcome.EXPIRED:
+                expired.add(payload.approval_id)
         elif isinstance(payload, ApprovalDecisionRefused):
             def refused(problem: str, env: Envelope = env, r: ApprovalDecisionRefused = payload) -> None:
                 findings.append(Finding("approval", run_id, env.seq, env.event_type, f"{r.approval_id}: {problem}"))
@@ -538,7 +539,7 @@ def check_approvals(run_id: str, events: list[Event], policy: ApprovalPolicy) ->
                 continue
             if payload.call_id != req.call_id:
                 refused(f"refused a decision on call {payload.call_id}; the request is for call {req.call_id}")
-            if not expired_at.get(payload.approval_id, False):
+            if payload.approval_id not in expired:
                 refused("refused as read after the expiry, but the approval had not EXPIRED before it")
             if payload.reason != DECISION_AFTER_EXPIRY:
                 refused(f"refused for {payload.reason!r}; only {DECISION_AFTER_EXPIRY} is recorded on the log")
